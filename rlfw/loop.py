@@ -1,0 +1,114 @@
+"""The RL loop: generate -> log-probs -> split -> train -> sync weights -> log -> checkpoint.
+
+Everything here runs in the driver; the heavy lifting happens in the rollout manager and the train group's actors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+import ray
+
+from rlfw.data.batch import RolloutBatch, split_batch
+from rlfw.data.partition import strided_partition
+
+
+def attach_logprobs(group, batch: RolloutBatch) -> RolloutBatch:
+    """Recompute every sample's log-probs with the trainer (strided shares, one per replica) before any update,
+    so every optimizer step of this rollout uses the same old policy."""
+    parts = strided_partition(len(batch), group.num_replicas)
+    results = group.compute_logprobs(ray.put(batch), parts)
+    for key in results[0]:
+        column: List[Any] = [None] * len(batch)
+        for indices, result in zip(parts, results):
+            for i, values in zip(indices, result[key]):
+                column[i] = values
+        batch.samples[key] = column
+    return batch
+
+
+def plan_split(minibatches: List[RolloutBatch], split, num_replicas: int):
+    """Eager: one object ref per replica and minibatch, now. Delayed: the minibatches, split at train time."""
+    if split.when == "rollout":
+        return [[ray.put(p) for p in split_batch(mb, num_replicas, split.how, split.attention_weight)]
+                for mb in minibatches]
+    return ray.put(minibatches)
+
+
+def step_metrics(batch: RolloutBatch, results: Dict[int, List[Dict[str, Any]]], prefix: str) -> Dict[str, float]:
+    """Loss and per-replica batch sizes of one RL step (``results``: replica -> committed minibatch stats)."""
+    m: Dict[str, float] = {}
+    sums: Dict[str, float] = {}
+    num_steps = max((len(r) for r in results.values()), default=0)
+    for replica, steps in results.items():
+        m[f"{prefix}/{replica}/num_samples"] = sum(s["num_samples"] for s in steps)
+        m[f"{prefix}/{replica}/num_tokens"] = sum(s["num_tokens"] for s in steps)
+        for s in steps:
+            for k, v in s["sums"].items():
+                sums[k] = sums.get(k, 0.0) + v
+    for k, v in sums.items():  # weighted sums over minibatches -> mean per optimizer step
+        m["loss" if k == "loss" else f"train/{k}"] = v / max(num_steps, 1)
+    m["train/num_samples"] = sum(m[f"{prefix}/{r}/num_samples"] for r in results)
+    m["train/num_tokens"] = sum(m[f"{prefix}/{r}/num_tokens"] for r in results)
+    m["train/optimizer_steps"] = num_steps
+    norms = [s["grad_norm"] for steps in results.values() for s in steps if s.get("grad_norm") is not None]
+    if norms:
+        m["train/grad_norm"] = float(np.mean(norms))
+    diffs = [abs(a - b) for old, new in zip(batch.samples["rollout_logprobs"], batch.samples["old_logprobs"])
+             for a, b in zip(old, new)]
+    m["rollout/logprob_abs_diff"] = float(np.mean(diffs)) if diffs else 0.0
+    return m
+
+
+def check_exactly_once(batch: RolloutBatch, trained_ids: List[int]) -> None:
+    """Every sample of the rollout batch trained exactly once in a committed step, or a loud error."""
+    if sorted(trained_ids) != sorted(batch.sample_ids):
+        missing = set(batch.sample_ids) - set(trained_ids)
+        extra = len(trained_ids) - len(set(trained_ids))
+        raise RuntimeError(f"sample accounting failed: {len(missing)} samples never trained, {extra} trained twice")
+
+
+def run_loop(cfg, group, manager, loggers, run_dir: Path, checkpointer=None) -> Dict[str, float]:
+    version = 0
+    ray.get(manager.update_weights.remote(group.export_weights(), version))
+    ledger = open(run_dir / "trained_samples.jsonl", "a", buffering=1)
+    metrics: Dict[str, float] = {}
+    try:
+        for step in range(cfg.num_steps):
+            t0 = time.perf_counter()
+            rollout = ray.get(manager.generate.remote(step, version))
+            batch: RolloutBatch = rollout["batch"]
+            metrics = dict(rollout["stats"])
+            if len(batch) == 0:
+                loggers.event("empty_batch", step, reason="every sample was dropped by the rollout filters")
+                loggers.log(metrics, step)
+                continue
+            t1 = time.perf_counter()
+            batch = attach_logprobs(group, batch)
+            t2 = time.perf_counter()
+            minibatches = batch.minibatches(cfg.algo.global_batch_size)
+            results = group.train(plan_split(minibatches, cfg.split, group.num_replicas))
+            t3 = time.perf_counter()
+            trained = [i for steps in results.values() for s in steps for i in s["sample_ids"]]
+            check_exactly_once(batch, trained)
+            ledger.write(json.dumps({"step": step, "sample_ids": sorted(trained)}) + "\n")
+            version += 1
+            metrics["time/weight_sync"] = ray.get(manager.update_weights.remote(group.export_weights(), version))
+            metrics.update(step_metrics(batch, results, group.metric_prefix))
+            metrics.update(group.step_info())
+            metrics.update({"time/logprobs": t2 - t1, "time/train": t3 - t2, "time/step": time.perf_counter() - t0})
+            if not math.isfinite(metrics.get("loss", 0.0)):
+                raise FloatingPointError(f"step {step}: the loss is {metrics['loss']}; stopping before it spreads")
+            loggers.log(metrics, step)
+            if step % 10 == 0:
+                loggers.table("generations", ["sample_id", "prompt", "response", "reward"], rollout["examples"], step)
+            if checkpointer is not None:
+                checkpointer.maybe_save(step, final=step == cfg.num_steps - 1)
+    finally:
+        ledger.close()
+    return metrics

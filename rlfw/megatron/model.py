@@ -1,0 +1,97 @@
+"""Build the policy as a Megatron-core ``GPTModel`` (Llama-style: RoPE, RMSNorm, SwiGLU, no biases).
+
+The architecture is the one Hugging Face calls ``LlamaForCausalLM`` (and Qwen2/3 minus biases), so weights convert
+one-to-one to the rollout engines (see ``rlfw.megatron.hf_convert``). The Megatron *local* layer spec is used
+unless Transformer Engine is installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelShape:
+    """Architecture numbers shared by the trainer, the engines and the HF export."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_epsilon: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool = False):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_cpu = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        kv_channels=shape.head_dim,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=on_cpu,
+        # rlfw normalises every loss by the step's global denominator itself (the dynamic global batch size):
+        # Megatron must neither divide by the number of micro-batches nor average gradients over DP ranks.
+        calculate_per_token_loss=True,
+        sequence_parallel=False,
+    )
+
+
+def layer_spec(shape: ModelShape):
+    try:  # Transformer Engine, where installed (GPU machines)
+        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        if torch.cuda.is_available():
+            return get_gpt_layer_with_transformer_engine_spec()
+    except ImportError:
+        pass
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt(shape: ModelShape, config) -> torch.nn.Module:
+    """A GPTModel for this pipeline stage (parallel_state must be initialised)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(shape),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_seq_len,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+    )

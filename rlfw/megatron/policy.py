@@ -1,0 +1,152 @@
+"""The Megatron side of one replica rank: model, DDP grad buffers, optimizer, log-probs and the GRPO step.
+
+It knows nothing of how replicas exchange gradients: ``forward_backward`` leaves this rank's (globally normalised)
+gradients in Megatron's contiguous grad buffers, and the train group decides how to reduce them (Megatron DDP in
+classic mode, torchft across cells) before ``optimizer_step``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Optional
+
+import torch
+
+from rlfw.algo.grpo import policy_loss
+from rlfw.data.batch import RolloutBatch
+from rlfw.megatron.model import ModelShape, build_gpt, transformer_config
+from rlfw.megatron.packing import MicroBatch, microbatches
+
+
+class PolicyTrainer:
+    """Requires torch.distributed and Megatron's parallel_state to be initialised for this rank's world."""
+
+    def __init__(
+        self, shape: ModelShape, algo, tp: int, temperature: float, device: torch.device, init_seed: int
+    ):
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.shape, self.algo, self.device = shape, algo, device
+        # The engine samples from softmax(logits / T); recomputed log-probs must use the same distribution.
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.config = transformer_config(shape, tp=tp)
+        # Same seed on every rank and cell: identical initial weights everywhere, whatever the parallel layout
+        # (CPU initialisation builds the full weight and slices it per TP rank).
+        torch.manual_seed(init_seed)
+        # On CPU there is no CUDA RNG to track: the inference tracker's fork() is a no-op (no dropout is used).
+        tensor_parallel.model_parallel_cuda_manual_seed(init_seed, inference_rng_tracker=device.type == "cpu")
+        module = build_gpt(shape, self.config).to(device)
+        self.reference = None
+        if algo.kl_coef > 0:
+            self.reference = copy.deepcopy(module).eval().requires_grad_(False)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        self.model = DistributedDataParallel(self.config, ddp_config, module)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=algo.lr,
+                weight_decay=algo.weight_decay,
+                adam_beta1=algo.adam_beta1,
+                adam_beta2=algo.adam_beta2,
+                clip_grad=algo.grad_clip,
+                bf16=False,
+                params_dtype=torch.float32,
+            ),
+            [self.model],
+        )
+
+    # ----------------------------------------------------------------------------------------------- log-probs
+    def _token_logprobs(self, model, mb: MicroBatch) -> torch.Tensor:
+        from megatron.core import tensor_parallel
+
+        logits = model(mb.tokens, mb.position_ids, mb.attention_mask)  # [1, T, V / tp]
+        logits = logits.float() / self.temperature
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits, mb.labels)  # [1, T]
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch) -> Dict[str, List[List[float]]]:
+        """Per-sample response log-probs under the current policy (and the reference model, if any)."""
+        out = {"old_logprobs": [None] * len(batch)}
+        models = [("old_logprobs", self.model)]
+        if self.reference is not None:
+            out["ref_logprobs"] = [None] * len(batch)
+            models.append(("ref_logprobs", self.reference))
+        self.model.eval()
+        for indices, mb in microbatches(batch, self.algo.max_tokens_per_microbatch):
+            mb = mb.to(self.device)
+            for key, model in models:
+                lp = self._token_logprobs(model, mb)[0]
+                for i, sl in zip(indices, mb.response_slices):
+                    out[key][i] = lp[sl].tolist()
+        self.model.train()
+        return out
+
+    # ------------------------------------------------------------------------------------------------ training
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def forward_backward(self, part: RolloutBatch) -> Dict[str, float]:
+        """Accumulate this rank's share of the step's gradient; returns weighted sums of the loss terms."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        sums: Dict[str, float] = {}
+        if len(part) == 0:  # an empty share still joins the gradient reduction, with zeros
+            return sums
+        batches = [mb.to(self.device) for _, mb in microbatches(part, self.algo.max_tokens_per_microbatch,
+                                                                  self.algo.loss_agg)]
+        algo = self.algo
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            logits = model(mb.tokens, mb.position_ids, mb.attention_mask)
+
+            def loss_func(output):
+                from megatron.core import tensor_parallel
+
+                lp = -tensor_parallel.vocab_parallel_cross_entropy(output.float() / self.temperature, mb.labels)
+                loss, stats = policy_loss(
+                    lp, mb.old_logprobs, mb.advantages, mb.loss_weight, algo.clip_eps_low, algo.clip_eps_high,
+                    mb.ref_logprobs, algo.kl_coef,
+                )
+                stats["loss"] = loss.detach()
+                # calculate_per_token_loss=True: Megatron uses this loss as is (it is globally normalised already).
+                return loss, torch.tensor(1, dtype=torch.int), stats
+
+            return logits, loss_func
+
+        results = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=[self.model],
+            num_microbatches=len(batches),
+            seq_length=max(mb.tokens.shape[1] for mb in batches),
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        for stats in results:
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        return sums
+
+    def grad_buffers(self) -> List[torch.Tensor]:
+        """Megatron DDP's contiguous gradient buffers: what a cross-replica reduction must sum."""
+        return [buffer.grad_data for buffer in self.model.buffers]
+
+    def optimizer_step(self) -> Optional[float]:
+        """Clip and step; returns the grad norm, or None when the step was skipped (non-finite gradients)."""
+        grads = self.grad_buffers()
+        if not all(torch.isfinite(g).all() for g in grads):
+            return None
+        ok, grad_norm, _ = self.optimizer.step()
+        return float(grad_norm) if ok and grad_norm is not None else (0.0 if ok else None)
+
+    # ------------------------------------------------------------------------------------------------- weights
+    def named_weights(self) -> Dict[str, torch.Tensor]:
+        """This rank's shard of the weights (Megatron names, without DDP's ``module.`` prefix)."""
+        return {k: v for k, v in self.model.module.state_dict().items() if not k.endswith("_extra_state")}
+

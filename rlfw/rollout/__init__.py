@@ -1,0 +1,1 @@
+"""Rollout: prompts from verifiable tasks, generation engines, and the records passed between them."""

@@ -1,0 +1,149 @@
+"""The embedded generation engine: a Hugging Face Llama and a batched sampling loop, in-process, no vLLM.
+
+It serves small policies on CPU (tests, the CPU smoke runs) and is the reference the vLLM engine is checked
+against, so the loop is written out rather than delegated to ``generate()``: what a logprob means, how top-p
+cuts and when a sequence stops are all decided here, in one place. It is a plain class; wrapping it as a Ray
+actor happens elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, LlamaForCausalLM
+
+from rlfw.megatron.hf_convert import hf_config
+from rlfw.megatron.model import ModelShape
+from rlfw.rollout.types import Generation, SamplingParams
+
+
+class LocalEngine:
+    """Samples responses from the policy last loaded with ``update_weights``."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        eos_token_id: int,
+        pad_token_id: int,
+        seed: int,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.shape = shape
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.device = torch.device(device)
+        self.model = LlamaForCausalLM(hf_config(shape)).to(self.device, torch.float32).eval()
+        # Policy version of the loaded weights; None until the first update_weights.
+        self.weight_version: int | None = None
+        self._generator = torch.Generator(self.device).manual_seed(seed)
+
+    def update_weights(self, hf_state: dict[str, Tensor], version: int) -> None:
+        """Load a full HF state dict (see ``rlfw.megatron.hf_convert.megatron_to_hf``); cast to fp32."""
+        self.model.load_state_dict(hf_state, strict=True)
+        self.weight_version = version
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Sample one response per prompt, all prompts decoded together as one left-padded batch.
+
+        ``logprobs`` are those of the temperature-scaled distribution, ``log_softmax(logits / temperature)``,
+        taken *before* top-p truncation: that is the distribution the trainer recomputes from its own logits, and
+        the truncation is a sampling heuristic it does not model. Greedy decoding (temperature 0) reports
+        ``log_softmax(logits)``. Sequences stop at ``eos_token_id`` (kept in the response) or after
+        ``max_new_tokens``.
+        """
+        if self.weight_version is None:
+            raise RuntimeError("LocalEngine.generate called before update_weights: the policy has no weights yet")
+        if not prompts:
+            return []
+        self._check_lengths(prompts, params)
+
+        input_ids, attention_mask = self._left_pad(prompts)
+        # Each sequence counts positions from its first real token, as it would unpadded.
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._next_token_logits(input_ids, attention_mask, position_ids, cache)
+        next_position = position_ids[:, -1:] + 1
+
+        batch = len(prompts)
+        responses: list[list[int]] = [[] for _ in range(batch)]
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        for step in range(params.max_new_tokens):
+            tokens, token_logprobs = self._sample(logits, params)
+            for i, (token, logprob, done) in enumerate(
+                zip(tokens.tolist(), token_logprobs.tolist(), finished.tolist())
+            ):
+                if not done:
+                    responses[i].append(token)
+                    logprobs[i].append(logprob)
+            finished |= tokens == self.eos_token_id
+            if finished.all() or step + 1 == params.max_new_tokens:
+                break
+            # Finished sequences keep decoding pads in lockstep (simpler than shrinking the cache); their outputs
+            # are never read.
+            tokens = tokens.masked_fill(finished, self.pad_token_id)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+            logits = self._next_token_logits(tokens[:, None], attention_mask, next_position, cache)
+            next_position = next_position + 1
+
+        return [
+            Generation(response, lps, "stop" if response[-1] == self.eos_token_id else "length")
+            for response, lps in zip(responses, logprobs)
+        ]
+
+    def _check_lengths(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        for prompt in prompts:
+            if not prompt:
+                raise ValueError("prompts must not be empty")
+            if len(prompt) + params.max_new_tokens > self.shape.max_seq_len:
+                raise ValueError(
+                    f"a prompt of {len(prompt)} tokens plus max_new_tokens={params.max_new_tokens} exceeds "
+                    f"max_seq_len={self.shape.max_seq_len}"
+                )
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """Right-align the prompts so that every sequence's next token lands in the same (last) column."""
+        width = max(len(prompt) for prompt in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention_mask[row, width - len(prompt) :] = 1
+        return input_ids.to(self.device), attention_mask.to(self.device)
+
+    def _next_token_logits(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: DynamicCache
+    ) -> Tensor:
+        """Run the new tokens through the model, appending their keys and values to ``cache``; [batch, vocab]."""
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,  # covers the cached tokens and the new ones
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return output.logits[:, -1].float()
+
+    def _sample(self, logits: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor]:
+        """Next tokens [batch] and their logprobs [batch] (see ``generate`` for which distribution)."""
+        if params.temperature == 0:
+            tokens = logits.argmax(dim=-1)
+            logprobs = torch.log_softmax(logits, dim=-1)
+        else:
+            logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+            probs = logprobs.exp()
+            if params.top_p < 1:
+                probs = _top_p_filter(probs, params.top_p)
+            tokens = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _top_p_filter(probs: Tensor, top_p: float) -> Tensor:
+    """Zero all but the smallest set of most likely tokens whose mass reaches ``top_p`` (unnormalised result)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # The most likely token has no mass before it, so at least one token always survives.
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)

@@ -1,0 +1,5 @@
+"""Verifiable tasks: each samples prompts and scores responses with an exact, programmatic reward."""
+
+from rlfw.rollout.tasks.copy import CopyTask
+
+__all__ = ["CopyTask"]

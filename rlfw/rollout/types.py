@@ -1,0 +1,53 @@
+"""The records that flow between tasks, generation engines and the trainer during rollout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task instance: what the policy sees, and what the task's verifier compares the response against.
+
+    ``prompt_id`` is unique per task instance, so the several responses sampled for one prompt can be grouped
+    (e.g. for group-relative advantages).
+    """
+
+    prompt_id: int
+    token_ids: list[int]
+    target: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How an engine samples a response; invalid values raise ValueError naming the field.
+
+    ``temperature=0`` means greedy decoding; ``top_p`` keeps the smallest set of most likely tokens whose
+    probability mass reaches it (1.0 keeps all).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled response.
+
+    ``logprobs[i]`` is the log-probability of ``response_ids[i]`` under the distribution it was sampled from
+    (see the engine for what that means exactly). ``finish_reason`` is "stop" when the response ends with the
+    end-of-sequence token (which it then includes) and "length" when it ran out of ``max_new_tokens``.
+    """
+
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str

@@ -1,0 +1,86 @@
+"""``python -m rlfw.train [overrides]``: validate the config, start Ray, build the parts, run the RL loop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from rlfw.config import ConfigError, register_configs, validate
+
+log = logging.getLogger("rlfw")
+register_configs()
+
+
+def build_group(cfg, vocab_size: int):
+    if cfg.dp.mode == "classic":
+        from rlfw.train_group.classic import ClassicGroup
+
+        return ClassicGroup(cfg, vocab_size)
+    from rlfw.train_group.cells import CellGroup
+
+    return CellGroup(cfg, vocab_size)
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict:
+    import ray
+    import torch
+
+    from rlfw.cluster.ray_cluster import start_ray
+    from rlfw.logging import build_loggers
+    from rlfw.loop import run_loop
+    from rlfw.rollout.manager import RolloutManager, padded_vocab_size
+    from rlfw.train_group.worker import model_shape
+
+    visible_gpus = torch.cuda.device_count() if cfg.cluster.device != "cpu" else None
+    validate(cfg, num_devices=visible_gpus or None)
+    task = instantiate(cfg.task)  # a bad task target or argument fails here, before Ray starts
+    vocab_size = padded_vocab_size(len(task.tokenizer), cfg.dp.tp)
+    shape = model_shape(cfg, vocab_size)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    start_ray(cfg.cluster)
+    loggers = build_loggers(
+        list(cfg.logger.backends), run_dir, cfg.num_steps,
+        dict(project=cfg.logger.wandb_project, group=cfg.logger.wandb_group, name=run_dir.name,
+             config=OmegaConf.to_container(cfg, resolve=True), mode=cfg.logger.wandb_mode),
+    )
+    group = manager = None
+    exit_code = 1
+    try:
+        group = build_group(cfg, vocab_size)
+        manager = RolloutManager.remote(OmegaConf.to_container(cfg, resolve=True), shape)
+        metrics = run_loop(cfg, group, manager, loggers, run_dir)
+        exit_code = 0
+        return metrics
+    finally:
+        loggers.finish(exit_code)
+        if manager is not None:
+            ray.get(manager.shutdown.remote())
+        if group is not None:
+            group.shutdown()
+        ray.shutdown()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
+    try:
+        metrics = train(cfg, run_dir)
+    except ConfigError as e:
+        log.error("config error: %s", e)
+        sys.exit(2)
+    log.info("run finished: %s (reward/mean %.3f)", run_dir, metrics.get("reward/mean", float("nan")))
+    return metrics.get("reward/mean", float("nan"))  # the value Hydra sweepers optimise
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    main()

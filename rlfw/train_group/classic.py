@@ -1,0 +1,75 @@
+"""ClassicGroup: all data-parallel replicas in one torch.distributed world, gradients reduced by Megatron DDP.
+
+The baseline rlfw's cells are measured against: one failed rank fails the whole world.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import ray
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from rlfw.train_group.agreement import verify_agreement
+from rlfw.train_group.world import World
+
+
+class ClassicSync:
+    """Megatron DDP's SUM all-reduce of the grad buffers (calculate_per_token_loss: no averaging)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def begin_step(self):
+        return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+    def reduce_and_commit(self, part):
+        self.worker.trainer.model.finish_grad_sync()
+        group = parallel_state.get_data_parallel_group()
+        ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+        def allreduce(tensor, op):
+            dist.all_reduce(tensor, op=ops[op], group=group)
+            return tensor
+
+        verify_agreement(part, parallel_state.get_data_parallel_world_size(), allreduce)
+        return True, {}
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ClassicGroup:
+    metric_prefix = "dp"
+
+    def __init__(self, cfg, vocab_size: int):
+        self.cfg = cfg
+        self.num_replicas = cfg.dp.size
+        self.world = World(cfg, cfg.dp.size * cfg.dp.tp, vocab_size, cell=None, sync_factory=ClassicSync)
+        self.world.start()
+
+    @property
+    def replica_ids(self) -> List[int]:
+        return list(range(self.num_replicas))
+
+    def compute_logprobs(self, batch, parts: List[List[int]]) -> List[Dict[str, Any]]:
+        """Replica r computes log-probs of ``parts[r]``; returns one result per replica."""
+        return self.world.call_by_replica("compute_logprobs", [(batch, p) for p in parts])
+
+    def train(self, minibatches) -> Dict[int, List[Dict[str, Any]]]:
+        """Per replica, the stats of each committed optimizer step."""
+        results = self.world.call_leaders("train", minibatches)
+        return dict(enumerate(results))
+
+    def export_weights(self) -> ray.ObjectRef:
+        return self.world.workers[0].export_weights.remote()
+
+    def weights_checksums(self) -> List[Dict[str, float]]:
+        return self.world.call_leaders("weights_checksum")
+
+    def step_info(self) -> Dict[str, float]:
+        return {}
+
+    def shutdown(self) -> None:
+        self.world.shutdown()

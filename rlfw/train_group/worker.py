@@ -1,0 +1,153 @@
+"""One trainer rank as a Ray actor: its torch.distributed world, Megatron state, and the per-step protocol.
+
+A classic replica and a cell run the same worker; what differs is the ``GradSync`` (how replicas agree on the
+step's gradient) and the world it belongs to (the whole DP group, or its own cell).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any, Dict, List, Optional
+
+import ray
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from rlfw.cluster.store import connect_store, serve_store
+from rlfw.data.batch import RolloutBatch, split_batch
+from rlfw.megatron.model import ModelShape
+
+
+def model_shape(cfg, vocab_size: int) -> ModelShape:
+    m = cfg.model
+    return ModelShape(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size, vocab_size=vocab_size,
+        max_seq_len=m.max_seq_len, rope_theta=m.rope_theta, norm_epsilon=m.norm_epsilon,
+    )
+
+
+def resolve_device(cfg) -> torch.device:
+    if cfg.cluster.device == "cuda" or (cfg.cluster.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return torch.device("cpu")
+
+
+@ray.remote
+class TrainerWorker:
+    """Rank ``rank`` of a world of ``world_size`` ranks (a classic DP world, or one cell)."""
+
+    def __init__(self, cfg: Dict[str, Any], rank: int, world_size: int, vocab_size: int, cell: Optional[int] = None):
+        torch.set_num_threads(int(os.environ.get("RLFW_TORCH_THREADS", "1")))
+        self.cfg = OmegaConf.create(cfg)
+        self.rank, self.world_size, self.cell = rank, world_size, cell
+        self.shape = model_shape(self.cfg, vocab_size)
+        self.host = self.cfg.cluster.host
+        self.store = None
+        self.trainer = None
+        self.sync = None
+
+    def serve_store(self) -> int:
+        """Rank 0 owns the world's store; the others connect to the port it returns."""
+        self.store = serve_store(self.host)
+        return self.store.port
+
+    def setup(self, store_port: int, sync_factory) -> None:
+        from megatron.core import parallel_state
+
+        from rlfw.megatron.cpu_compat import apply_cpu_compat
+        from rlfw.megatron.policy import PolicyTrainer
+
+        device = resolve_device(self.cfg)
+        if device.type == "cpu":
+            apply_cpu_compat()
+        else:
+            torch.cuda.set_device(device)
+        store = self.store or connect_store(self.host, store_port)
+        self.store = store
+        dist.init_process_group(
+            "gloo" if device.type == "cpu" else "nccl", store=store, rank=self.rank, world_size=self.world_size,
+            timeout=timedelta(seconds=self.cfg.ft.collective_timeout_s),
+        )
+        parallel_state.initialize_model_parallel(self.cfg.dp.tp, self.cfg.dp.pp)
+        self.trainer = PolicyTrainer(
+            self.shape, self.cfg.algo, tp=self.cfg.dp.tp, temperature=self.cfg.rollout.temperature, device=device,
+            init_seed=self.cfg.model.init_seed,
+        )
+        self.sync = sync_factory(self)
+
+    def replica_rank(self) -> int:
+        """This rank's data-parallel replica index inside its world (0 for a cell)."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank()
+
+    def is_tp_leader(self) -> bool:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_rank() == 0
+
+    # --------------------------------------------------------------------------------------------- protocol
+    def compute_logprobs(self, batch: RolloutBatch, indices: List[int]) -> Dict[str, List[List[float]]]:
+        return self.trainer.logprobs(batch.select(indices))
+
+    def train(self, minibatches) -> List[Dict[str, Any]]:
+        """One optimizer step per minibatch. ``minibatches`` is a list of whole minibatches (delayed split) or
+        a list of per-replica ObjectRef lists (eager split)."""
+        return [self._train_minibatch(mb) for mb in minibatches]
+
+    def _train_minibatch(self, minibatch) -> Dict[str, Any]:
+        while True:
+            t0 = time.perf_counter()
+            replica, num_replicas = self.sync.begin_step()
+            part = self._take_part(minibatch, replica, num_replicas)
+            self.trainer.zero_grad()
+            sums = self.trainer.forward_backward(part)
+            t_fb = time.perf_counter()
+            committed, info = self.sync.reduce_and_commit(part)
+            grad_norm = self.trainer.optimizer_step() if committed else None
+            if committed:
+                return {
+                    "sample_ids": list(part.sample_ids), "num_samples": len(part),
+                    "num_tokens": part.num_response_tokens(), "grad_norm": grad_norm, "sums": sums,
+                    "replica": replica, "num_replicas": num_replicas,
+                    "time/forward_backward": t_fb - t0, "time/step": time.perf_counter() - t0, **info,
+                }
+
+    def _take_part(self, minibatch, replica: int, num_replicas: int) -> RolloutBatch:
+        if isinstance(minibatch, RolloutBatch):  # delayed: split now, over this step's participants
+            return split_batch(minibatch, num_replicas, self.cfg.split.how, self.cfg.split.attention_weight)[replica]
+        parts = minibatch  # eager: the planned parts, as object refs
+        if len(parts) == num_replicas:
+            return ray.get(parts[replica])
+        # The participant set changed since the split was planned: re-split the union, nothing is lost.
+        whole = merge(ray.get(list(parts)))
+        return split_batch(whole, num_replicas, self.cfg.split.how, self.cfg.split.attention_weight)[replica]
+
+    def export_weights(self) -> Dict[str, torch.Tensor]:
+        """Full weights in Hugging Face names, for the rollout engines (TP=1 ranks hold the full model)."""
+        from rlfw.megatron.hf_convert import megatron_to_hf
+
+        if self.cfg.dp.tp != 1:
+            raise NotImplementedError("weight export with dp.tp > 1 is not implemented yet")
+        return megatron_to_hf({k: v.detach().cpu().clone() for k, v in self.trainer.named_weights().items()},
+                              self.shape)
+
+    def weights_checksum(self) -> Dict[str, float]:
+        return {k: float(v.double().sum()) for k, v in self.trainer.named_weights().items()}
+
+    def shutdown(self) -> None:
+        if self.sync is not None:
+            self.sync.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def merge(parts: List[RolloutBatch]) -> RolloutBatch:
+    """The inverse of a split, in sample-id order: per-sample columns joined, per-batch keys from the first part."""
+    columns = {k: [v for p in parts for v in p.samples[k]] for k in parts[0].samples}
+    whole = RolloutBatch(columns, dict(parts[0].meta))
+    return whole.select(sorted(range(len(whole)), key=lambda i: whole.sample_ids[i]))

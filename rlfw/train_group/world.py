@@ -1,0 +1,86 @@
+"""World: the Ray actors of one torch.distributed world (a classic DP world or one cell) and how to call them."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import ray
+from omegaconf import OmegaConf
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlfw.train_group.worker import TrainerWorker, resolve_device
+
+
+def get_all(refs: Sequence[ray.ObjectRef], timeout_s: Optional[float] = None) -> List[Any]:
+    """``ray.get`` that raises the *first* failure at once instead of waiting on ranks stuck behind it."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        if not ready:
+            raise TimeoutError(f"{len(pending)} calls did not finish within {timeout_s} s")
+        ray.get(ready)
+    return ray.get(list(refs))
+
+
+class World:
+    def __init__(self, cfg, world_size: int, vocab_size: int, cell: Optional[int], sync_factory):
+        self.cfg, self.world_size, self.vocab_size, self.cell = cfg, world_size, vocab_size, cell
+        self.sync_factory = sync_factory
+        self.tp = cfg.dp.tp
+        self.workers: List[Any] = []
+        self.pg = None
+
+    def launch(self, placement_timeout_s: float = 60.0) -> List[ray.ObjectRef]:
+        """Create the actors; returns the refs of their set-up calls (await with ``get_all``)."""
+        use_gpu = resolve_device(self.cfg).type == "cuda"
+        bundle = {"CPU": self.cfg.cluster.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+        self.pg = placement_group([bundle] * self.world_size, strategy="PACK")
+        ready, _ = ray.wait([self.pg.ready()], timeout=placement_timeout_s)
+        if not ready:
+            raise RuntimeError(
+                f"cannot place {self.world_size} trainer ranks of {bundle} within {placement_timeout_s:.0f} s: "
+                f"the Ray cluster has {ray.available_resources()} free; lower cluster.cpus_per_worker or the "
+                "number of replicas"
+            )
+        cfg = OmegaConf.to_container(self.cfg, resolve=True)
+        self.workers = [
+            TrainerWorker.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+                name=None,
+            ).remote(cfg, rank, self.world_size, self.vocab_size, self.cell)
+            for rank in range(self.world_size)
+        ]
+        port = ray.get(self.workers[0].serve_store.remote())
+        return [w.setup.remote(port, self.sync_factory) for w in self.workers]
+
+    def start(self) -> None:
+        get_all(self.launch())
+
+    @property
+    def leaders(self) -> List[Any]:
+        """Tensor-parallel rank 0 of every replica, in replica order."""
+        return self.workers[:: self.tp]
+
+    def call_leaders(self, method: str, *args) -> List[Any]:
+        """Call ``method`` on every rank (TP ranks compute together); return the replica leaders' results."""
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        return get_all(refs)[:: self.tp]
+
+    def call_by_replica(self, method: str, args_per_replica: Sequence[tuple]) -> List[Any]:
+        refs = [getattr(w, method).remote(*args_per_replica[rank // self.tp]) for rank, w in enumerate(self.workers)]
+        return get_all(refs)[:: self.tp]
+
+    def shutdown(self, graceful: bool = True) -> None:
+        if graceful and self.workers:
+            try:
+                get_all([w.shutdown.remote() for w in self.workers], timeout_s=10)
+            except Exception:  # a dead or stuck rank: it is killed below either way
+                pass
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None

@@ -1,0 +1,65 @@
+"""The copy task's prompts, its partial-credit reward, and the word-level tokenizer it is built on."""
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from rlfw.rollout.tasks import CopyTask
+from rlfw.rollout.tasks.copy import EOS_WEIGHT
+from rlfw.rollout.tokenizer import build_tokenizer
+from rlfw.rollout.types import Prompt
+
+
+def test_tokenizer_round_trip_and_reload(tmp_path):
+    tokenizer = build_tokenizer(["a", "b", "c"])
+    text = "<bos> c a b = a"
+
+    ids = tokenizer(text).input_ids
+    assert ids == [1, 6, 4, 5, 3, 4]
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode([*ids, 2], skip_special_tokens=True) == "c a b = a"
+
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert reloaded(text).input_ids == ids
+    assert reloaded.eos_token_id == 2
+
+
+def test_tokenizer_rejects_clashing_symbols():
+    with pytest.raises(ValueError, match="distinct"):
+        build_tokenizer(["a", "="])
+    with pytest.raises(ValueError, match="whitespace"):
+        build_tokenizer(["a b"])
+
+
+def test_prompts_spell_out_the_copy():
+    task = CopyTask(num_symbols=5, length=4)
+    tokenizer = task.tokenizer
+    prompts = task.sample_prompts(6, np.random.default_rng(0))
+
+    assert [p.prompt_id for p in prompts] == list(range(6))
+    assert task.max_response_len == 5
+    for prompt in prompts:
+        symbols = tokenizer.convert_ids_to_tokens(prompt.target[:4])
+        assert all(s in {"s0", "s1", "s2", "s3", "s4"} for s in symbols)
+        assert tokenizer.decode(prompt.token_ids) == "<bos> " + " ".join(symbols) + " ="
+        assert tokenizer.decode(prompt.target) == " ".join(symbols) + " <eos>"
+
+    again = CopyTask(num_symbols=5, length=4).sample_prompts(6, np.random.default_rng(0))
+    assert [p.token_ids for p in again] == [p.token_ids for p in prompts]
+
+
+def test_reward_gives_partial_credit():
+    task = CopyTask(num_symbols=8, length=3)
+    s1, s2, s3 = task.tokenizer.convert_tokens_to_ids(["s1", "s2", "s3"])
+    eos = task.tokenizer.eos_token_id
+    prompt = Prompt(prompt_id=0, token_ids=[1, s1, s2, s3, 3], target=[s1, s2, s3, eos])
+
+    assert task.reward(prompt, [s1, s2, s3, eos]) == pytest.approx(1.0)
+    assert task.reward(prompt, [s1, s2, s3]) == pytest.approx(1 - EOS_WEIGHT)  # ran out of length
+    assert task.reward(prompt, [s1, s2, s3, s1]) == pytest.approx(1 - EOS_WEIGHT)
+    assert task.reward(prompt, [s1, s3, s3, eos]) == pytest.approx((1 - EOS_WEIGHT) * 2 / 3 + EOS_WEIGHT)
+    assert task.reward(prompt, [s1, eos]) == pytest.approx((1 - EOS_WEIGHT) / 3)  # missing positions score 0
+    assert task.reward(prompt, [s3, s1, s2, s3]) == 0.0
+    assert task.reward(prompt, []) == 0.0

@@ -1,0 +1,108 @@
+"""The local engine's sampling loop: KV cache and left padding are exact, stopping and seeding behave."""
+
+import pytest
+import torch
+
+from rlfw.megatron.model import ModelShape
+from rlfw.rollout.engines import LocalEngine
+from rlfw.rollout.types import SamplingParams
+
+torch.set_num_threads(1)
+
+SHAPE = ModelShape(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=128,
+    vocab_size=16,
+    max_seq_len=64,
+)
+EOS, PAD = 2, 0
+# Different lengths, so that every batch needs left padding.
+PROMPTS = [[1, 5, 6, 7, 3], [1, 9, 3], [1, 4, 4, 4, 4, 4, 4, 3]]
+
+
+def make_engine(seed: int = 0, eos_token_id: int = EOS) -> LocalEngine:
+    """An engine with fixed random weights, larger than HF's init so that logits are far from uniform."""
+    engine = LocalEngine(SHAPE, eos_token_id=eos_token_id, pad_token_id=PAD, seed=seed)
+    generator = torch.Generator().manual_seed(1234)
+    weights = {k: torch.randn(v.shape, generator=generator) * 0.5 for k, v in engine.model.state_dict().items()}
+    engine.update_weights(weights, version=3)
+    return engine
+
+
+def test_update_weights_records_version():
+    assert make_engine().weight_version == 3
+    with pytest.raises(RuntimeError, match="update_weights"):
+        LocalEngine(SHAPE, EOS, PAD, seed=0).generate(PROMPTS, SamplingParams(max_new_tokens=1))
+
+
+def test_greedy_matches_hf_generate():
+    engine = make_engine()
+    generations = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=10))
+
+    for prompt, generation in zip(PROMPTS, generations):
+        expected = engine.model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD
+        )[0, len(prompt) :].tolist()
+        assert generation.response_ids == expected
+        assert generation.finish_reason == ("stop" if expected[-1] == EOS else "length")
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_logprobs_match_full_forward(temperature, top_p):
+    engine = make_engine()
+    generations = engine.generate(PROMPTS, SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=10))
+
+    for prompt, generation in zip(PROMPTS, generations):
+        response = torch.tensor(generation.response_ids)
+        with torch.no_grad():
+            logits = engine.model(input_ids=torch.tensor([prompt + generation.response_ids])).logits[0]
+        # Logits at position t predict token t + 1.
+        scaled = logits[len(prompt) - 1 : -1] / (temperature or 1.0)
+        expected = torch.log_softmax(scaled, dim=-1).gather(-1, response[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, rtol=0, atol=1e-5)
+
+
+def test_sequences_stop_at_eos_and_others_continue():
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    # vocab_size is an id the model never produces, so nothing stops early here.
+    unstopped = make_engine(eos_token_id=SHAPE.vocab_size).generate(PROMPTS, params)
+    eos = unstopped[0].response_ids[2]
+
+    generations = make_engine(eos_token_id=eos).generate(PROMPTS, params)
+
+    for full, generation in zip(unstopped, generations):
+        if eos in full.response_ids:
+            expected, reason = full.response_ids[: full.response_ids.index(eos) + 1], "stop"
+        else:
+            expected, reason = full.response_ids, "length"
+        assert generation.response_ids == expected
+        assert generation.finish_reason == reason
+        assert len(generation.logprobs) == len(expected)
+    assert {g.finish_reason for g in generations} == {"stop", "length"}
+
+
+def test_sampling_is_deterministic_for_a_seed():
+    params = SamplingParams(temperature=1.0, max_new_tokens=10)
+    first = make_engine(seed=7).generate(PROMPTS, params)
+
+    assert make_engine(seed=7).generate(PROMPTS, params) == first
+    assert make_engine(seed=8).generate(PROMPTS, params) != first
+
+
+def test_tiny_top_p_samples_the_greedy_tokens():
+    engine = make_engine()
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=10))
+    nucleus_of_one = engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=10))
+
+    assert nucleus_of_one == greedy
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("max_new_tokens", 0)]
+)
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{"max_new_tokens": 4, field: value})
