@@ -65,6 +65,26 @@ def step_metrics(batch: RolloutBatch, results: Dict[int, List[Dict[str, Any]]], 
     return m
 
 
+def trained_sample_ids(results: Dict[int, List[Dict[str, Any]]]) -> List[int]:
+    """The sample ids trained in committed optimizer steps, from what the surviving replicas report.
+
+    A replica that died after contributing to a committed step reports nothing; its share is known from any
+    survivor of that step (``participant_ids``: every participant's part, which they all agreed on).
+    """
+    per_minibatch: Dict[int, List[int]] = {}
+    own: Dict[int, List[int]] = {}
+    for steps in results.values():
+        for s in steps:
+            mb = s["minibatch_index"]
+            own.setdefault(mb, []).extend(s["sample_ids"])
+            if s.get("participant_ids") is not None:
+                ids = [i for p in s["participant_ids"] for i in p]
+                if mb in per_minibatch and sorted(per_minibatch[mb]) != sorted(ids):
+                    raise RuntimeError(f"replicas report different participant shares for minibatch {mb}")
+                per_minibatch[mb] = ids
+    return [i for mb in sorted(own) for i in per_minibatch.get(mb, own[mb])]
+
+
 def check_exactly_once(batch: RolloutBatch, trained_ids: List[int]) -> None:
     """Every sample of the rollout batch trained exactly once in a committed step, or a loud error."""
     if sorted(trained_ids) != sorted(batch.sample_ids):
@@ -94,13 +114,15 @@ def run_loop(cfg, group, manager, loggers, run_dir: Path, checkpointer=None) -> 
             minibatches = batch.minibatches(cfg.algo.global_batch_size)
             results = group.train(plan_split(minibatches, cfg.split, group.num_replicas))
             t3 = time.perf_counter()
-            trained = [i for steps in results.values() for s in steps for i in s["sample_ids"]]
+            trained = trained_sample_ids(results)
             check_exactly_once(batch, trained)
             ledger.write(json.dumps({"step": step, "sample_ids": sorted(trained)}) + "\n")
             version += 1
             metrics["time/weight_sync"] = ray.get(manager.update_weights.remote(group.export_weights(), version))
             metrics.update(step_metrics(batch, results, group.metric_prefix))
             metrics.update(group.step_info())
+            for event in group.drain_events():
+                loggers.event(event.pop("kind"), step, **event)
             metrics.update({"time/logprobs": t2 - t1, "time/train": t3 - t2, "time/step": time.perf_counter() - t0})
             if not math.isfinite(metrics.get("loss", 0.0)):
                 raise FloatingPointError(f"step {step}: the loss is {metrics['loss']}; stopping before it spreads")

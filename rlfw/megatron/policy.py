@@ -90,7 +90,7 @@ class PolicyTrainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def forward_backward(self, part: RolloutBatch) -> Dict[str, float]:
+    def forward_backward(self, part: RolloutBatch, on_microbatch=None) -> Dict[str, float]:
         """Accumulate this rank's share of the step's gradient; returns weighted sums of the loss terms."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -101,8 +101,12 @@ class PolicyTrainer:
                                                                   self.algo.loss_agg)]
         algo = self.algo
 
+        counter = iter(range(len(batches)))
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if on_microbatch is not None:  # a hook between micro-batches (fault injection uses it)
+                on_microbatch(next(counter))
             logits = model(mb.tokens, mb.position_ids, mb.attention_mask)
 
             def loss_func(output):

@@ -71,5 +71,8 @@ class ClassicGroup:
     def step_info(self) -> Dict[str, float]:
         return {}
 
+    def drain_events(self) -> List[Dict[str, Any]]:
+        return []  # a classic world has no membership events: any failure ends the run
+
     def shutdown(self) -> None:
         self.world.shutdown()

@@ -40,10 +40,17 @@ def resolve_device(cfg) -> torch.device:
 class TrainerWorker:
     """Rank ``rank`` of a world of ``world_size`` ranks (a classic DP world, or one cell)."""
 
-    def __init__(self, cfg: Dict[str, Any], rank: int, world_size: int, vocab_size: int, cell: Optional[int] = None):
+    def __init__(
+        self, cfg: Dict[str, Any], rank: int, world_size: int, vocab_size: int, cell: Optional[int] = None,
+        incarnation: int = 0,
+    ):
+        from rlfw.ft.faults import FaultInjector
+
         torch.set_num_threads(int(os.environ.get("RLFW_TORCH_THREADS", "1")))
         self.cfg = OmegaConf.create(cfg)
         self.rank, self.world_size, self.cell = rank, world_size, cell
+        self.faults = FaultInjector(self.cfg.fault, cell if cell is not None else -1, rank, incarnation)
+        self.cursor = {"rl_step": -1, "minibatch_index": -1}  # where this rank is in the data (healed with state)
         self.shape = model_shape(self.cfg, vocab_size)
         self.host = self.cfg.cluster.host
         self.store = None
@@ -100,37 +107,53 @@ class TrainerWorker:
         return [self._train_minibatch(mb) for mb in minibatches]
 
     def _train_minibatch(self, minibatch) -> Dict[str, Any]:
+        attempts = 0
         while True:
+            attempts += 1
             t0 = time.perf_counter()
             replica, num_replicas = self.sync.begin_step()
-            part = self._take_part(minibatch, replica, num_replicas)
+            t_quorum = time.perf_counter()
+            part, parts = self._take_part(minibatch, replica, num_replicas)
+            step = part.meta["step"]
+            self.cursor.update(rl_step=step, minibatch_index=part.meta["minibatch_index"])
+            self.faults.maybe_die("before_forward", step)
             self.trainer.zero_grad()
-            sums = self.trainer.forward_backward(part)
+            sums = self.trainer.forward_backward(part, on_microbatch=lambda i: i == 1 and self.faults.maybe_die(
+                "mid_forward_backward", step))
             t_fb = time.perf_counter()
             committed, info = self.sync.reduce_and_commit(part)
+            t_sync = time.perf_counter()
+            if committed:
+                self.faults.maybe_die("after_vote", step)
             grad_norm = self.trainer.optimizer_step() if committed else None
             if committed:
                 return {
-                    "sample_ids": list(part.sample_ids), "num_samples": len(part),
+                    "minibatch_index": part.meta["minibatch_index"], "sample_ids": list(part.sample_ids),
+                    "participant_ids": [list(p.sample_ids) for p in parts] if parts else None,
+                    "num_samples": len(part),
                     "num_tokens": part.num_response_tokens(), "grad_norm": grad_norm, "sums": sums,
-                    "replica": replica, "num_replicas": num_replicas,
-                    "time/forward_backward": t_fb - t0, "time/step": time.perf_counter() - t0, **info,
+                    "replica": replica, "num_replicas": num_replicas, "attempts": attempts,
+                    "time/quorum": t_quorum - t0, "time/forward_backward": t_fb - t_quorum,
+                    "time/reduce_and_vote": t_sync - t_fb, "time/step": time.perf_counter() - t0, **info,
                 }
 
-    def _take_part(self, minibatch, replica: int, num_replicas: int) -> RolloutBatch:
+    def _take_part(self, minibatch, replica: int, num_replicas: int):
+        """This replica's share, and every participant's share when it is known without moving more data (the
+        split is deterministic, so all participants agree on it)."""
         if isinstance(minibatch, RolloutBatch):  # delayed: split now, over this step's participants
-            return split_batch(minibatch, num_replicas, self.cfg.split.how, self.cfg.split.attention_weight)[replica]
-        parts = minibatch  # eager: the planned parts, as object refs
-        if len(parts) == num_replicas:
-            return ray.get(parts[replica])
-        # The participant set changed since the split was planned: re-split the union, nothing is lost.
-        whole = merge(ray.get(list(parts)))
-        return split_batch(whole, num_replicas, self.cfg.split.how, self.cfg.split.attention_weight)[replica]
+            whole = minibatch
+        elif len(minibatch) == num_replicas:  # eager, as planned: fetch only this replica's object ref
+            return ray.get(minibatch[replica]), None
+        else:  # eager, but the participant set changed since the split was planned: re-split the union
+            whole = merge(ray.get(list(minibatch)))
+        parts = split_batch(whole, num_replicas, self.cfg.split.how, self.cfg.split.attention_weight)
+        return parts[replica], parts
 
     def export_weights(self) -> Dict[str, torch.Tensor]:
         """Full weights in Hugging Face names, for the rollout engines (TP=1 ranks hold the full model)."""
         from rlfw.megatron.hf_convert import megatron_to_hf
 
+        self.faults.maybe_die("weight_sync", self.cursor["rl_step"])
         if self.cfg.dp.tp != 1:
             raise NotImplementedError("weight export with dp.tp > 1 is not implemented yet")
         return megatron_to_hf({k: v.detach().cpu().clone() for k, v in self.trainer.named_weights().items()},

@@ -24,8 +24,9 @@ def get_all(refs: Sequence[ray.ObjectRef], timeout_s: Optional[float] = None) ->
 
 
 class World:
-    def __init__(self, cfg, world_size: int, vocab_size: int, cell: Optional[int], sync_factory):
+    def __init__(self, cfg, world_size: int, vocab_size: int, cell: Optional[int], sync_factory, incarnation: int = 0):
         self.cfg, self.world_size, self.vocab_size, self.cell = cfg, world_size, vocab_size, cell
+        self.incarnation = incarnation
         self.sync_factory = sync_factory
         self.tp = cfg.dp.tp
         self.workers: List[Any] = []
@@ -49,7 +50,7 @@ class World:
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
                 name=None,
-            ).remote(cfg, rank, self.world_size, self.vocab_size, self.cell)
+            ).remote(cfg, rank, self.world_size, self.vocab_size, self.cell, self.incarnation)
             for rank in range(self.world_size)
         ]
         port = ray.get(self.workers[0].serve_store.remote())

@@ -1,0 +1,102 @@
+"""CellSync: how a cell's rank agrees with rank r of every other cell on each optimizer step, through torchft.
+
+start_quorum (the Lighthouse fixes the participants; a cell that is behind heals from a peer here) -> this cell's
+share of the minibatch, from its participating rank -> forward/backward -> SUM all-reduce of Megatron's grad
+buffers across cells -> agreement on the dynamic global batch size -> should_commit vote. A failed or disagreeing
+step is discarded (grads zeroed, no optimizer change) and retried on a fresh quorum.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any, Dict
+
+import numpy as np
+import torch
+from torch.distributed import ReduceOp
+
+from rlfw.ft.manager import make_manager
+from rlfw.train_group.agreement import DisagreementError, verify_agreement
+
+_OPS = {"min": ReduceOp.MIN, "max": ReduceOp.MAX}
+
+
+class CellSync:
+    def __init__(self, worker, lighthouse_address: str):
+        self.worker = worker
+        cfg = worker.cfg
+        self.manager = make_manager(
+            cell=worker.cell, group_rank=worker.rank, group_world_size=worker.world_size, host=worker.host,
+            store_port=worker.store.port, lighthouse_address=lighthouse_address,
+            state_dict=self._state_dict, load_state_dict=self._load_state_dict, min_replicas=cfg.ft.min_cells,
+            device=worker.trainer.device, collective_timeout_s=cfg.ft.collective_timeout_s,
+            quorum_timeout_s=cfg.ft.quorum_timeout_s,
+        )
+        self.heal_time = None
+
+    # -------------------------------------------------------------------------------------------- protocol
+    def begin_step(self):
+        step_before = self.manager.current_step()
+        t0 = time.perf_counter()
+        self.manager.start_quorum()
+        if self.manager.current_step() != step_before:  # this cell was behind and received a peer's state
+            self.heal_time = time.perf_counter() - t0
+        rank = self.manager.participating_rank()
+        if rank is None:
+            raise RuntimeError(f"cell {self.worker.cell} is not participating in quorum {self.quorum_id}")
+        return rank, self.manager.num_participants()
+
+    def reduce_and_commit(self, part):
+        grads = self.worker.trainer.grad_buffers()
+        self.worker.faults.maybe_die("during_allreduce", self.worker.cursor["rl_step"]) if len(grads) > 1 else None
+        works = [self.manager.allreduce(g, reduce_op=ReduceOp.SUM) for g in grads]
+        for i, work in enumerate(works):
+            work.wait()
+            if i == 0:
+                self.worker.faults.maybe_die("during_allreduce", self.worker.cursor["rl_step"])
+        try:
+            verify_agreement(part, self.manager.num_participants(), self._allreduce)
+        except DisagreementError as e:
+            self.manager.report_error(e)
+            self.manager.should_commit()
+            raise
+        committed = self.manager.should_commit()
+        info: Dict[str, Any] = {"quorum_id": self.quorum_id, "ft_step": self.manager.current_step()}
+        if self.heal_time is not None:
+            info["heal_time"], self.heal_time = self.heal_time, None
+        if not committed:
+            self.worker.trainer.zero_grad()
+        return committed, info
+
+    def _allreduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        self.manager.allreduce(tensor, reduce_op=_OPS[op]).wait()
+        return tensor
+
+    @property
+    def quorum_id(self) -> int:
+        return int(self.manager._quorum_id)  # torchft exposes the membership epoch only privately
+
+    # ------------------------------------------------------------------------------------------- heal state
+    def _state_dict(self) -> Dict[str, Any]:
+        self.worker.faults.maybe_die("heal_send", self.worker.cursor["rl_step"])
+        trainer = self.worker.trainer
+        return {
+            "model": trainer.model.module.state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "cursor": dict(self.worker.cursor),
+        }
+
+    def _load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.worker.faults.maybe_die("heal_receive", self.worker.cursor["rl_step"])
+        trainer = self.worker.trainer
+        trainer.model.module.load_state_dict(state["model"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        self.worker.cursor.update(state["cursor"])
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)

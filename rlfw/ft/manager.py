@@ -1,0 +1,75 @@
+"""A torchft Manager per trainer rank, kept on the configured interface.
+
+torchft's Manager hard-codes its ManagerServer bind to ``[::]:port`` (all interfaces). rlfw passes the host it was
+configured with instead, by handing torchft a ManagerServer factory that rewrites the bind string. Heals use the
+process-group transport (state sent over the cells' own Gloo/NCCL group), not torchft's HTTP server, which would
+also bind all interfaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torchft.manager as tft_manager
+from torchft import Manager, ProcessGroupGloo
+from torchft.checkpointing.pg_transport import PGTransport
+from torchft.process_group import ProcessGroupNCCL
+
+
+@contextlib.contextmanager
+def _manager_server_bound_to(host: str):
+    original = tft_manager.ManagerServer
+
+    def factory(*args, bind: str, **kwargs):
+        port = bind.rsplit(":", 1)[1]
+        return original(*args, bind=f"{'[' + host + ']' if ':' in host else host}:{port}", **kwargs)
+
+    tft_manager.ManagerServer = factory
+    try:
+        yield
+    finally:
+        tft_manager.ManagerServer = original
+
+
+def make_manager(
+    *,
+    cell: int,
+    group_rank: int,
+    group_world_size: int,
+    host: str,
+    store_port: int,
+    lighthouse_address: str,
+    state_dict: Callable[[], dict],
+    load_state_dict: Callable[[dict], None],
+    min_replicas: int,
+    device: torch.device,
+    collective_timeout_s: float,
+    quorum_timeout_s: float,
+) -> Manager:
+    timeout = timedelta(seconds=collective_timeout_s)
+    pg = ProcessGroupGloo(timeout=timeout) if device.type == "cpu" else ProcessGroupNCCL(timeout=timeout)
+    transport = PGTransport(pg, timeout=timeout, device=device)
+    with _manager_server_bound_to(host):
+        return Manager(
+            pg=pg,
+            load_state_dict=load_state_dict,
+            state_dict=state_dict,
+            min_replica_size=min_replicas,
+            use_async_quorum=False,  # a joining cell heals inside start_quorum and contributes in the same step
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=group_rank,
+            world_size=group_world_size,
+            store_addr=host,
+            store_port=store_port,
+            lighthouse_addr=lighthouse_address,
+            replica_id=f"cell_{cell}",
+            hostname=host,
+            checkpoint_transport=transport,
+            init_sync=False,  # every cell initialises identical weights from model.init_seed
+            max_retries=20,
+        )

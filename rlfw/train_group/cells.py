@@ -1,0 +1,267 @@
+"""CellGroup: every data-parallel replica an independent Megatron world (a *cell*), gradients through torchft.
+
+The driver-side half of the cell protocol. It keeps each cell's state machine, fans calls out to the alive cells,
+and never waits on a dead one: a cell whose actor dies, or that is still busy when its peers have finished a step
+(heartbeat timeout), is failed as a unit and reaped; a replacement is started when resources allow and heals from
+a live peer in its first quorum. The worker-side half (quorum, split, all-reduce, vote) is ``rlfw.ft.cell_sync``.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from rlfw.ft.cell_sync import CellSync
+from rlfw.ft.lighthouse import Lighthouse
+from rlfw.train_group.world import World, get_all
+
+log = logging.getLogger("rlfw.cells")
+
+
+class CellState(enum.Enum):
+    PENDING = "pending"  # planned, no actors yet
+    ALLOCATED = "allocated"  # actors placed, Megatron and torchft setting up
+    ALIVE = "alive"  # takes part in steps
+    ERRORED = "errored"  # failed; its actors are killed and reaped
+    STOPPED = "stopped"  # shut down cleanly
+
+
+class Cell:
+    """One Megatron world of TP x PP ranks with its own store, actors and torchft replica id."""
+
+    def __init__(self, cell_id: int, cfg, vocab_size: int, lighthouse_address: str, incarnation: int):
+        self.id, self.incarnation = cell_id, incarnation
+        self.state = CellState.PENDING
+        self.world = World(
+            cfg, cfg.dp.tp * cfg.dp.pp, vocab_size, cell=cell_id,
+            sync_factory=functools.partial(CellSync, lighthouse_address=lighthouse_address),
+            incarnation=incarnation,
+        )
+        self.setup_refs: List[ray.ObjectRef] = []
+        self.error: Optional[str] = None
+
+    def allocate(self) -> None:
+        assert self.state is CellState.PENDING, self.state
+        self.setup_refs = self.world.launch()
+        self.state = CellState.ALLOCATED
+
+    def poll_ready(self) -> bool:
+        """ALLOCATED -> ALIVE once every rank finished set-up; a failed set-up fails the cell."""
+        if self.state is CellState.ALLOCATED:
+            ready, _ = ray.wait(self.setup_refs, num_returns=len(self.setup_refs), timeout=0)
+            if len(ready) == len(self.setup_refs):
+                ray.get(self.setup_refs)  # raises if a rank failed
+                self.state = CellState.ALIVE
+        return self.state is CellState.ALIVE
+
+    def fail(self, reason: str) -> None:
+        """Kill and reap every actor of the cell: a partial cell is never left running."""
+        self.error = reason
+        self.state = CellState.ERRORED
+        self.world.shutdown(graceful=False)
+
+    def stop(self) -> None:
+        if self.state in (CellState.ALIVE, CellState.ALLOCATED):
+            self.world.shutdown(graceful=True)
+        self.state = CellState.STOPPED
+
+
+class CellGroup:
+    metric_prefix = "cell"
+
+    def __init__(self, cfg, vocab_size: int):
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.events: List[Dict[str, Any]] = []  # failures, joins, heals, quorum changes; drained by the loop
+        ft = cfg.ft
+        self.lighthouse = None
+        if ft.lighthouse_address:
+            self.lighthouse_address = ft.lighthouse_address
+        else:
+            self.lighthouse = Lighthouse(cfg.cluster.host, ft.lighthouse_port, ft.min_cells, ft.join_timeout_s,
+                                         ft.heartbeat_timeout_s)
+            self.lighthouse_address = self.lighthouse.address
+        self.cells: Dict[int, Cell] = {}
+        self.quorum_id: Optional[int] = None
+        self.failures = 0
+        for cell_id in range(cfg.dp.num_cells):
+            self._start_cell(cell_id, incarnation=0)
+        deadline = time.monotonic() + ft.replacement_deadline_s
+        for cell in self.cells.values():
+            while not self._poll(cell):
+                if cell.state is CellState.ERRORED:
+                    raise RuntimeError(f"cell {cell.id} failed during start-up: {cell.error}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cell {cell.id} not ready within ft.replacement_deadline_s")
+                time.sleep(0.05)
+
+    # ------------------------------------------------------------------------------------------ membership
+    def _start_cell(self, cell_id: int, incarnation: int) -> Cell:
+        cell = Cell(cell_id, self.cfg, self.vocab_size, self.lighthouse_address, incarnation)
+        self.cells[cell_id] = cell
+        cell.allocate()
+        return cell
+
+    def _poll(self, cell: Cell) -> bool:
+        try:
+            return cell.poll_ready()
+        except (RayActorError, RayTaskError) as e:
+            self._fail(cell, f"set-up failed: {e}")
+            return False
+
+    def _fail(self, cell: Cell, reason: str, phase: str = "unknown", detect_time: float = 0.0) -> None:
+        if cell.state is CellState.ERRORED:
+            return
+        self.failures += 1
+        log.warning("cell %d failed in %s: %s", cell.id, phase, reason.splitlines()[0] if reason else "")
+        cell.fail(reason)
+        self._event("cell_failed", cell=cell.id, phase=phase, reason=reason[-500:], detect_time=detect_time)
+        if self.cfg.ft.replace_failed:
+            replacement = self._start_cell(cell.id, incarnation=cell.incarnation + 1)
+            self._event("cell_replacement_started", cell=cell.id, incarnation=replacement.incarnation)
+
+    def _event(self, kind: str, **fields) -> None:
+        self.events.append({"kind": kind, **fields})
+
+    def drain_events(self) -> List[Dict[str, Any]]:
+        events, self.events = self.events, []
+        return events
+
+    @property
+    def alive(self) -> List[Cell]:
+        """Cells taking part in the next call; replacements join once their set-up finished."""
+        for cell in list(self.cells.values()):
+            if cell.state is CellState.ALLOCATED and self._poll(cell):
+                self._event("cell_joined", cell=cell.id, incarnation=cell.incarnation)
+        return [c for c in sorted(self.cells.values(), key=lambda c: c.id) if c.state is CellState.ALIVE]
+
+    def _require_cells(self) -> List[Cell]:
+        """The alive cells, waiting for replacements up to the deadline when fewer than ft.min_cells are alive."""
+        deadline = time.monotonic() + self.cfg.ft.replacement_deadline_s
+        while len(alive := self.alive) < self.cfg.ft.min_cells:
+            if time.monotonic() > deadline or not self.cfg.ft.replace_failed:
+                raise RuntimeError(
+                    f"only {len(alive)} cells alive, below ft.min_cells={self.cfg.ft.min_cells}, and no replacement "
+                    f"became ready within ft.replacement_deadline_s={self.cfg.ft.replacement_deadline_s}"
+                )
+            time.sleep(0.1)
+        return alive
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._require_cells())
+
+    @property
+    def replica_ids(self) -> List[int]:
+        return [c.id for c in self._require_cells()]
+
+    # ---------------------------------------------------------------------------------------------- calls
+    def _fan_out(self, calls: Dict[int, Callable[[Cell], List[ray.ObjectRef]]], phase: str) -> Dict[int, Any]:
+        """Run one call per cell; returns {cell id: leader's result} for the cells that finished.
+
+        A cell whose call raises is failed at once. When every other cell has finished, a cell still busy gets
+        ``ft.heartbeat_timeout_s`` more; after that it is treated as hung and failed, never waited on.
+        """
+        pending = {}
+        for cell_id, make_refs in calls.items():
+            pending[cell_id] = make_refs(self.cells[cell_id])
+        started = time.monotonic()
+        results: Dict[int, Any] = {}
+        grace_deadline = None
+        while pending:
+            refs = [r for rs in pending.values() for r in rs]
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0.05)
+            for cell_id, rs in list(pending.items()):
+                done, _ = ray.wait(rs, num_returns=len(rs), timeout=0)
+                failed = None
+                for ref in done:
+                    try:
+                        ray.get(ref)
+                    except (RayActorError, RayTaskError) as e:
+                        failed = str(e)
+                        break
+                if failed is not None:
+                    del pending[cell_id]
+                    self._fail(self.cells[cell_id], failed, phase, detect_time=time.monotonic() - started)
+                elif len(done) == len(rs):
+                    results[cell_id] = ray.get(rs[0])
+                    del pending[cell_id]
+            if pending and results and grace_deadline is None:
+                grace_deadline = time.monotonic() + self.cfg.ft.heartbeat_timeout_s + self.cfg.ft.join_timeout_s
+            if pending and grace_deadline is not None and time.monotonic() > grace_deadline and \
+                    all(len(ray.wait(rs, num_returns=len(rs), timeout=0)[0]) == 0 for rs in pending.values()):
+                for cell_id in list(pending):
+                    del pending[cell_id]
+                    self._fail(self.cells[cell_id], "no answer after its peers finished (hung or partitioned)",
+                               phase, detect_time=time.monotonic() - started)
+        return results
+
+    def compute_logprobs(self, batch, parts: List[List[int]]) -> List[Dict[str, Any]]:
+        """Share ``i`` goes to the i-th alive cell; a share whose cell dies is recomputed by a survivor."""
+        results: List[Optional[Dict[str, Any]]] = [None] * len(parts)
+        while (todo := [i for i, r in enumerate(results) if r is None]):
+            cells = self._require_cells()
+            assignment = {cells[k % len(cells)].id: [] for k in range(min(len(todo), len(cells)))}
+            for k, i in enumerate(todo):
+                assignment[cells[k % len(cells)].id].append(i)
+            calls = {
+                cid: (lambda c, shares=shares: [
+                    w.compute_logprobs.remote(batch, [j for i in shares for j in parts[i]]) for w in c.world.workers])
+                for cid, shares in assignment.items()
+            }
+            for cid, out in self._fan_out(calls, "logprobs").items():
+                offset = 0
+                for i in assignment[cid]:
+                    n = len(parts[i])
+                    results[i] = {k: v[offset:offset + n] for k, v in out.items()}
+                    offset += n
+        return results
+
+    def train(self, minibatches) -> Dict[int, List[Dict[str, Any]]]:
+        """Every alive cell runs the step protocol on the same minibatches; returns the survivors' stats."""
+        cells = self._require_cells()
+        calls = {c.id: (lambda c: [w.train.remote(minibatches) for w in c.world.workers]) for c in cells}
+        results = self._fan_out(calls, "train")
+        if not results:
+            raise RuntimeError("every cell failed during the step; nothing was committed")
+        for cell_id, steps in results.items():
+            for s in steps:
+                if s.get("heal_time") is not None:
+                    self._event("heal", cell=cell_id, heal_time=s["heal_time"], quorum_id=s["quorum_id"])
+                if self.quorum_id != s["quorum_id"]:
+                    self._event("quorum_change", old=self.quorum_id, new=s["quorum_id"],
+                                  participants=s["num_replicas"])
+                    self.quorum_id = s["quorum_id"]
+        return results
+
+    def export_weights(self) -> ray.ObjectRef:
+        """Full weights from the writer, the first alive cell; if it dies, the next one takes over."""
+        while True:
+            writer = self._require_cells()[0]
+            ref = writer.world.workers[0].export_weights.remote()
+            try:
+                ray.wait([ref], fetch_local=False)
+                ray.get(ref)
+                return ref
+            except (RayActorError, RayTaskError) as e:
+                self._fail(writer, str(e), "weight_sync")
+                self._event("writer_failover", cell=writer.id)
+
+    def weights_checksums(self) -> Dict[int, Dict[str, float]]:
+        cells = self._require_cells()
+        return dict(zip([c.id for c in cells], get_all([c.world.workers[0].weights_checksum.remote() for c in cells])))
+
+    def step_info(self) -> Dict[str, float]:
+        return {"cells/alive": len(self.alive), "ft/quorum_id": self.quorum_id if self.quorum_id is not None else -1,
+                "ft/failures": self.failures}
+
+    def shutdown(self) -> None:
+        for cell in self.cells.values():
+            cell.stop()
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
