@@ -16,6 +16,7 @@ def worker_env(host: str, torch_threads: int) -> Dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         "RLFW_TORCH_THREADS": str(torch_threads),
         "RLFW_HOST": host,
+        "RUST_LOG": os.environ.get("RUST_LOG", "warn"),  # torchft's Rust side logs every quorum at INFO
     }
     if host == "127.0.0.1":
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo picks the interface of the hostname otherwise
@@ -24,9 +25,8 @@ def worker_env(host: str, torch_threads: int) -> Dict[str, str]:
 
 def start_ray(cluster) -> None:
     """``ray.init`` on ``cluster.host`` (or join ``cluster.address``), with rlfw's worker environment."""
-    # Without this Ray resolves "localhost" to the machine's external address and binds there.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RUST_LOG", "warn")  # the driver's torchft Lighthouse logs every quorum at INFO
     kwargs = dict(
         runtime_env={"env_vars": worker_env(cluster.host, cluster.torch_threads)},
         include_dashboard=False,

@@ -34,12 +34,26 @@ class CellSync:
             quorum_timeout_s=cfg.ft.quorum_timeout_s,
         )
         self.heal_time = None
+        self.expected = 0  # cells the driver sent this call to; a quorum short of it is retried briefly
+        self.join_deadline_s = cfg.ft.heartbeat_timeout_s + cfg.ft.join_timeout_s
+
+    def expect(self, num_cells: int) -> None:
+        self.expected = num_cells
 
     # -------------------------------------------------------------------------------------------- protocol
     def begin_step(self):
+        """Join the step's quorum. The Lighthouse forms a quorum as soon as the previous members ask, so a cell
+        joining (a replacement) can miss it by milliseconds; while the quorum is smaller than the cells the
+        driver dispatched, ask again for up to heartbeat + join timeout, then go on with who is there."""
         step_before = self.manager.current_step()
         t0 = time.perf_counter()
+        deadline = time.monotonic() + self.join_deadline_s
         self.manager.start_quorum()
+        while self.manager.num_participants() < self.expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+            self.manager.start_quorum()
+        if self.manager.num_participants() < self.expected:
+            self.expected = self.manager.num_participants()  # a dispatched cell is gone: wait for it only once
         if self.manager.current_step() != step_before:  # this cell was behind and received a peer's state
             self.heal_time = time.perf_counter() - t0
         rank = self.manager.participating_rank()

@@ -28,7 +28,7 @@ def padded_vocab_size(tokenizer_size: int, tp: int) -> int:
     return ((tokenizer_size + multiple - 1) // multiple) * multiple
 
 
-@ray.remote
+@ray.remote(num_cpus=0)  # orchestration only: the engines hold the CPU share
 class RolloutManager:
     def __init__(self, cfg: Dict[str, Any], shape: ModelShape):
         import torch

@@ -120,7 +120,7 @@ class CellGroup:
         self.failures += 1
         log.warning("cell %d failed in %s: %s", cell.id, phase, reason.splitlines()[0] if reason else "")
         cell.fail(reason)
-        self._event("cell_failed", cell=cell.id, phase=phase, reason=reason[-500:], detect_time=detect_time)
+        self._event("cell_failed", cell=cell.id, phase=phase, reason=reason[:300], detect_time=detect_time)
         if self.cfg.ft.replace_failed:
             replacement = self._start_cell(cell.id, incarnation=cell.incarnation + 1)
             self._event("cell_replacement_started", cell=cell.id, incarnation=replacement.incarnation)
@@ -225,7 +225,7 @@ class CellGroup:
     def train(self, minibatches) -> Dict[int, List[Dict[str, Any]]]:
         """Every alive cell runs the step protocol on the same minibatches; returns the survivors' stats."""
         cells = self._require_cells()
-        calls = {c.id: (lambda c: [w.train.remote(minibatches) for w in c.world.workers]) for c in cells}
+        calls = {c.id: (lambda c: [w.train.remote(minibatches, len(cells)) for w in c.world.workers]) for c in cells}
         results = self._fan_out(calls, "train")
         if not results:
             raise RuntimeError("every cell failed during the step; nothing was committed")
@@ -252,9 +252,9 @@ class CellGroup:
                 self._fail(writer, str(e), "weight_sync")
                 self._event("writer_failover", cell=writer.id)
 
-    def weights_checksums(self) -> Dict[int, Dict[str, float]]:
+    def weights_digests(self) -> Dict[int, str]:
         cells = self._require_cells()
-        return dict(zip([c.id for c in cells], get_all([c.world.workers[0].weights_checksum.remote() for c in cells])))
+        return dict(zip([c.id for c in cells], get_all([c.world.workers[0].weights_digest.remote() for c in cells])))
 
     def step_info(self) -> Dict[str, float]:
         return {"cells/alive": len(self.alive), "ft/quorum_id": self.quorum_id if self.quorum_id is not None else -1,

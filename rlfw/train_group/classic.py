@@ -24,6 +24,9 @@ class ClassicSync:
     def begin_step(self):
         return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
+    def expect(self, num_replicas: int) -> None:
+        assert num_replicas == parallel_state.get_data_parallel_world_size()
+
     def reduce_and_commit(self, part):
         self.worker.trainer.model.finish_grad_sync()
         group = parallel_state.get_data_parallel_group()
@@ -59,14 +62,14 @@ class ClassicGroup:
 
     def train(self, minibatches) -> Dict[int, List[Dict[str, Any]]]:
         """Per replica, the stats of each committed optimizer step."""
-        results = self.world.call_leaders("train", minibatches)
+        results = self.world.call_leaders("train", minibatches, self.num_replicas)
         return dict(enumerate(results))
 
     def export_weights(self) -> ray.ObjectRef:
         return self.world.workers[0].export_weights.remote()
 
-    def weights_checksums(self) -> List[Dict[str, float]]:
-        return self.world.call_leaders("weights_checksum")
+    def weights_digests(self) -> List[str]:
+        return self.world.call_leaders("weights_digest")
 
     def step_info(self) -> Dict[str, float]:
         return {}

@@ -6,6 +6,7 @@ step's gradient) and the world it belongs to (the whole DP group, or its own cel
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from datetime import timedelta
@@ -101,9 +102,10 @@ class TrainerWorker:
     def compute_logprobs(self, batch: RolloutBatch, indices: List[int]) -> Dict[str, List[List[float]]]:
         return self.trainer.logprobs(batch.select(indices))
 
-    def train(self, minibatches) -> List[Dict[str, Any]]:
+    def train(self, minibatches, num_replicas: int) -> List[Dict[str, Any]]:
         """One optimizer step per minibatch. ``minibatches`` is a list of whole minibatches (delayed split) or
-        a list of per-replica ObjectRef lists (eager split)."""
+        a list of per-replica ObjectRef lists (eager split); ``num_replicas`` replicas were sent this call."""
+        self.sync.expect(num_replicas)
         return [self._train_minibatch(mb) for mb in minibatches]
 
     def _train_minibatch(self, minibatch) -> Dict[str, Any]:
@@ -159,8 +161,13 @@ class TrainerWorker:
         return megatron_to_hf({k: v.detach().cpu().clone() for k, v in self.trainer.named_weights().items()},
                               self.shape)
 
-    def weights_checksum(self) -> Dict[str, float]:
-        return {k: float(v.double().sum()) for k, v in self.trainer.named_weights().items()}
+    def weights_digest(self) -> str:
+        """SHA-256 over every weight's bytes: equal digests mean bitwise-equal replicas."""
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.trainer.named_weights().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
 
     def shutdown(self) -> None:
         if self.sync is not None:
