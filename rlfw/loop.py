@@ -93,10 +93,19 @@ def check_exactly_once(batch: RolloutBatch, trained_ids: List[int]) -> None:
         raise RuntimeError(f"sample accounting failed: {len(missing)} samples never trained, {extra} trained twice")
 
 
+def verify_replicas_equal(group, step: int) -> Dict[str, str]:
+    """Every replica's weights must be bitwise equal after a committed step; a difference stops the run."""
+    digests = group.weights_digests()
+    digests = dict(enumerate(digests)) if isinstance(digests, list) else digests
+    if len(set(digests.values())) > 1:
+        raise RuntimeError(f"step {step}: replicas hold different weights: {digests}")
+    return {str(k): v for k, v in digests.items()}
+
+
 def run_loop(cfg, group, manager, loggers, run_dir: Path, checkpointer=None) -> Dict[str, float]:
     version = 0
     ray.get(manager.update_weights.remote(group.export_weights(), version))
-    ledger = open(run_dir / "trained_samples.jsonl", "a", buffering=1)
+    ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)  # per step: trained sample ids, weight digests
     metrics: Dict[str, float] = {}
     try:
         for step in range(cfg.num_steps):
@@ -116,7 +125,10 @@ def run_loop(cfg, group, manager, loggers, run_dir: Path, checkpointer=None) -> 
             t3 = time.perf_counter()
             trained = trained_sample_ids(results)
             check_exactly_once(batch, trained)
-            ledger.write(json.dumps({"step": step, "sample_ids": sorted(trained)}) + "\n")
+            record = {"step": step, "sample_ids": sorted(trained)}
+            if cfg.ft.verify_weights_every and step % cfg.ft.verify_weights_every == 0:
+                record["weight_digests"] = verify_replicas_equal(group, step)
+            ledger.write(json.dumps(record) + "\n")
             version += 1
             metrics["time/weight_sync"] = ray.get(manager.update_weights.remote(group.export_weights(), version))
             metrics.update(step_metrics(batch, results, group.metric_prefix))

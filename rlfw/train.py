@@ -32,6 +32,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     import ray
     import torch
 
+    from rlfw.checkpoint import Checkpointer
     from rlfw.cluster.ray_cluster import start_ray
     from rlfw.logging import build_loggers
     from rlfw.loop import run_loop
@@ -44,6 +45,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     vocab_size = padded_vocab_size(len(task.tokenizer), cfg.dp.tp)
     shape = model_shape(cfg, vocab_size)
     run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run_dir = str(run_dir.resolve())  # workers write the fault markers and checkpoints under it
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     start_ray(cfg.cluster)
@@ -57,7 +59,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     try:
         group = build_group(cfg, vocab_size)
         manager = RolloutManager.remote(OmegaConf.to_container(cfg, resolve=True), shape)
-        metrics = run_loop(cfg, group, manager, loggers, run_dir)
+        metrics = run_loop(cfg, group, manager, loggers, run_dir, Checkpointer(cfg, group, run_dir))
         exit_code = 0
         return metrics
     finally:

@@ -98,15 +98,19 @@ class FTConfig:
     collective_timeout_s: float = 30.0
     replace_failed: bool = True
     replacement_deadline_s: float = 120.0
+    verify_weights_every: int = 0  # compare every replica's weights bitwise (SHA-256) every N steps; 0 = never
 
 
 @dataclass
 class FaultConfig:
+    """Real process deaths for tests and demos (rlfw/ft/faults.py)."""
+
     kind: str = "none"  # none | kill_once | random
-    cell: int = 0
-    step: int = 1
-    phase: str = "before_forward"
-    probability: float = 0.0
+    cell: int = 0  # kill_once: which cell (-1 = whichever gets there first)
+    step: int = 1  # kill_once: the first RL step at which the kill may fire
+    phase: str = "before_forward"  # a phase of rlfw.ft.faults.PHASES (random: or "any")
+    extra_kills: List[Dict[str, Any]] = field(default_factory=list)  # more {cell, step, phase, incarnation}
+    probability: float = 0.0  # random: chance per cell, step and phase
     seed: int = 0
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.distributed import ReduceOp
 
+from rlfw.ft.errors import StateLostError
 from rlfw.ft.manager import make_manager
 from rlfw.train_group.agreement import DisagreementError, verify_agreement
 
@@ -34,6 +35,7 @@ class CellSync:
             quorum_timeout_s=cfg.ft.quorum_timeout_s,
         )
         self.heal_time = None
+        self.healed = False
         self.expected = 0  # cells the driver sent this call to; a quorum short of it is retried briefly
         self.join_deadline_s = cfg.ft.heartbeat_timeout_s + cfg.ft.join_timeout_s
 
@@ -56,19 +58,29 @@ class CellSync:
             self.expected = self.manager.num_participants()  # a dispatched cell is gone: wait for it only once
         if self.manager.current_step() != step_before:  # this cell was behind and received a peer's state
             self.heal_time = time.perf_counter() - t0
+            self.healed = True
+
         rank = self.manager.participating_rank()
         if rank is None:
             raise RuntimeError(f"cell {self.worker.cell} is not participating in quorum {self.quorum_id}")
         return rank, self.manager.num_participants()
 
+    def require_state(self, meta) -> None:
+        """A replacement must have healed before it trains on anything past the first minibatch of the run."""
+        if self.worker.incarnation > 0 and not self.healed and self.manager.current_step() == 0 and (
+            meta["step"] > 0 or meta["minibatch_index"] > 0
+        ):
+            # Every cell in this quorum is a fresh replacement: the trained state died with its last holder.
+            raise StateLostError(
+                f"cell {self.worker.cell}: no live peer holds the trained state (every cell that had it died); "
+                "resume from the last checkpoint"
+            )
+
     def reduce_and_commit(self, part):
-        grads = self.worker.trainer.grad_buffers()
-        self.worker.faults.maybe_die("during_allreduce", self.worker.cursor["rl_step"]) if len(grads) > 1 else None
-        works = [self.manager.allreduce(g, reduce_op=ReduceOp.SUM) for g in grads]
-        for i, work in enumerate(works):
+        works = [self.manager.allreduce(g, reduce_op=ReduceOp.SUM) for g in self.worker.trainer.grad_buffers()]
+        self.worker.faults.maybe_die("during_allreduce", self.worker.cursor["rl_step"])  # peers are inside it
+        for work in works:
             work.wait()
-            if i == 0:
-                self.worker.faults.maybe_die("during_allreduce", self.worker.cursor["rl_step"])
         try:
             verify_agreement(part, self.manager.num_participants(), self._allreduce)
         except DisagreementError as e:

@@ -1,7 +1,8 @@
 """Real fault injection: the process dies (SIGKILL) at a named phase of the protocol.
 
 Nothing is raised and nothing is cleaned up: the other cells see exactly what they would see if the machine under
-this rank vanished. Only a cell's first incarnation is hit by ``kill_once``, so its replacement survives.
+this rank vanished. A scheduled kill fires once per run, whichever process reaches it first: the first to reach it
+creates a marker file in the run directory (an atomic O_EXCL create) and then dies.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+from pathlib import Path
+from typing import List
 
 PHASES = (
     "before_forward",
@@ -20,24 +23,51 @@ PHASES = (
     "weight_sync",
     "checkpoint_save",
 )
+ANY = -1  # cell or incarnation wildcard
 
 
 class FaultInjector:
-    def __init__(self, fault, cell: int, rank: int, incarnation: int):
+    def __init__(self, fault, run_dir: str, cell: int, rank: int, incarnation: int):
         self.fault, self.cell, self.rank, self.incarnation = fault, cell, rank, incarnation
-        if fault.kind != "none" and fault.phase not in PHASES + ("any",):
+        self.marker_dir = Path(run_dir) / "faults"
+        self.kills: List[dict] = []
+        if fault.kind == "kill_once":
+            self.kills = [dict(cell=fault.cell, step=fault.step, phase=fault.phase, incarnation=0)]
+            self.kills += [dict({"incarnation": 0}, **k) for k in fault.extra_kills]
+        for kill in self.kills:
+            if kill["phase"] not in PHASES:
+                raise ValueError(f"fault phase {kill['phase']!r} is not one of {PHASES}")
+        if fault.kind == "random" and fault.phase not in PHASES + ("any",):
             raise ValueError(f"fault.phase={fault.phase!r} is not one of {PHASES + ('any',)}")
 
     def maybe_die(self, phase: str, step: int) -> None:
-        if self._should_die(phase, step):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault.kind == "none" or self.rank != 0:
+            return
+        if self.fault.kind == "random":
+            draw = random.Random(f"{self.fault.seed}/{self.cell}/{self.incarnation}/{step}/{phase}").random()
+            if self.fault.phase in ("any", phase) and draw < self.fault.probability:
+                self._die()
+            return
+        for index, kill in enumerate(self.kills):
+            if (
+                kill["phase"] == phase
+                and step >= kill["step"]
+                and kill["cell"] in (ANY, self.cell)
+                and kill["incarnation"] in (ANY, self.incarnation)
+                and self._claim(index)
+            ):
+                self._die()
 
-    def _should_die(self, phase: str, step: int) -> bool:
-        f = self.fault
-        if f.kind == "none" or self.rank != 0 or (f.phase != "any" and phase != f.phase):
+    def _claim(self, index: int) -> bool:
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.marker_dir / f"kill_{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
             return False
-        if f.kind == "kill_once":
-            return self.incarnation == 0 and self.cell == f.cell and step == f.step
-        # random: one draw per (cell, incarnation, step, phase); reproducible from fault.seed
-        draw = random.Random(f"{f.seed}/{self.cell}/{self.incarnation}/{step}/{phase}").random()
-        return draw < f.probability
+        os.write(fd, f"cell={self.cell} incarnation={self.incarnation} pid={os.getpid()}\n".encode())
+        os.close(fd)
+        return True
+
+    @staticmethod
+    def _die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -11,13 +11,15 @@ from typing import Callable, List
 
 import torch
 
+from rlfw.ft.errors import FatalError
+
 from rlfw.data.batch import DYNAMIC_GBS, RolloutBatch
 
 FIELDS = ("num_samples", "num_tokens", "num_participants", "minibatch_index")
 
 
-class DisagreementError(RuntimeError):
-    pass
+class DisagreementError(FatalError):
+    """Replicas computed different steps: a bug or corrupted data, not a failure a heal can fix."""
 
 
 def agreement_vector(part: RolloutBatch, num_participants: int) -> torch.Tensor:

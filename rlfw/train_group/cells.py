@@ -18,6 +18,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from rlfw.ft.cell_sync import CellSync
+from rlfw.ft.errors import FatalError
 from rlfw.ft.lighthouse import Lighthouse
 from rlfw.train_group.world import World, get_all
 
@@ -182,7 +183,12 @@ class CellGroup:
                 for ref in done:
                     try:
                         ray.get(ref)
-                    except (RayActorError, RayTaskError) as e:
+                    except RayTaskError as e:
+                        if isinstance(e.cause, FatalError):
+                            raise e.cause from e
+                        failed = str(e)
+                        break
+                    except RayActorError as e:
                         failed = str(e)
                         break
                 if failed is not None:
@@ -239,18 +245,25 @@ class CellGroup:
                     self.quorum_id = s["quorum_id"]
         return results
 
-    def export_weights(self) -> ray.ObjectRef:
-        """Full weights from the writer, the first alive cell; if it dies, the next one takes over."""
+    def _on_writer(self, phase: str, call: Callable[[Any], ray.ObjectRef]) -> List[Any]:
+        """Run ``call`` on every rank of the writer (the first alive cell); if the writer dies, fail it and run
+        again on the next alive cell. Returns the object refs of the writer that succeeded."""
         while True:
             writer = self._require_cells()[0]
-            ref = writer.world.workers[0].export_weights.remote()
+            refs = [call(w) for w in writer.world.workers]
             try:
-                ray.wait([ref], fetch_local=False)
-                ray.get(ref)
-                return ref
+                get_all(refs)
+                return refs
             except (RayActorError, RayTaskError) as e:
-                self._fail(writer, str(e), "weight_sync")
-                self._event("writer_failover", cell=writer.id)
+                self._fail(writer, str(e), phase)
+                self._event("writer_failover", cell=writer.id, phase=phase)
+
+    def export_weights(self) -> ray.ObjectRef:
+        """Full weights from the writer cell, for the rollout engines."""
+        return self._on_writer("weight_sync", lambda w: w.export_weights.remote())[0]
+
+    def save(self, path: str, step: int) -> None:
+        self._on_writer("checkpoint_save", lambda w: w.save.remote(path, step))
 
     def weights_digests(self) -> Dict[int, str]:
         cells = self._require_cells()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from rlfw.train_group.agreement import verify_agreement
-from rlfw.train_group.world import World
+from rlfw.train_group.world import World, get_all
 
 
 class ClassicSync:
@@ -26,6 +26,9 @@ class ClassicSync:
 
     def expect(self, num_replicas: int) -> None:
         assert num_replicas == parallel_state.get_data_parallel_world_size()
+
+    def require_state(self, meta) -> None:
+        pass  # one world: every rank holds the state or the run is over
 
     def reduce_and_commit(self, part):
         self.worker.trainer.model.finish_grad_sync()
@@ -67,6 +70,10 @@ class ClassicGroup:
 
     def export_weights(self) -> ray.ObjectRef:
         return self.world.workers[0].export_weights.remote()
+
+    def save(self, path: str, step: int) -> None:
+        """Replica 0 holds every weight (its TP ranks each save their shard)."""
+        get_all([w.save.remote(path, step) for w in self.world.leaders_group(0)])
 
     def weights_digests(self) -> List[str]:
         return self.world.call_leaders("weights_digest")

@@ -50,7 +50,9 @@ class TrainerWorker:
         torch.set_num_threads(int(os.environ.get("RLFW_TORCH_THREADS", "1")))
         self.cfg = OmegaConf.create(cfg)
         self.rank, self.world_size, self.cell = rank, world_size, cell
-        self.faults = FaultInjector(self.cfg.fault, cell if cell is not None else -1, rank, incarnation)
+        self.incarnation = incarnation
+        self.faults = FaultInjector(self.cfg.fault, self.cfg.run_dir, cell if cell is not None else -1, rank,
+                                    incarnation)
         self.cursor = {"rl_step": -1, "minibatch_index": -1}  # where this rank is in the data (healed with state)
         self.shape = model_shape(self.cfg, vocab_size)
         self.host = self.cfg.cluster.host
@@ -117,6 +119,7 @@ class TrainerWorker:
             t_quorum = time.perf_counter()
             part, parts = self._take_part(minibatch, replica, num_replicas)
             step = part.meta["step"]
+            self.sync.require_state(part.meta)
             self.cursor.update(rl_step=step, minibatch_index=part.meta["minibatch_index"])
             self.faults.maybe_die("before_forward", step)
             self.trainer.zero_grad()
@@ -160,6 +163,20 @@ class TrainerWorker:
             raise NotImplementedError("weight export with dp.tp > 1 is not implemented yet")
         return megatron_to_hf({k: v.detach().cpu().clone() for k, v in self.trainer.named_weights().items()},
                               self.shape)
+
+    def save(self, path: str, step: int) -> None:
+        """Save model, optimizer, RNG and cursor (this rank's shards; TP > 1 saves one file per rank)."""
+        from rlfw.checkpoint import write_checkpoint
+
+        state = {
+            "model": self.trainer.model.module.state_dict(),
+            "optimizer": self.trainer.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "step": step,
+            "cursor": dict(self.cursor),
+        }
+        target = path if self.world_size == 1 else f"{path}/rank_{self.rank}"
+        write_checkpoint(target, state, before_commit=lambda: self.faults.maybe_die("checkpoint_save", step - 1))
 
     def weights_digest(self) -> str:
         """SHA-256 over every weight's bytes: equal digests mean bitwise-equal replicas."""

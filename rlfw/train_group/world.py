@@ -64,6 +64,10 @@ class World:
         """Tensor-parallel rank 0 of every replica, in replica order."""
         return self.workers[:: self.tp]
 
+    def leaders_group(self, replica: int) -> List[Any]:
+        """The TP ranks of replica ``replica``."""
+        return self.workers[replica * self.tp:(replica + 1) * self.tp]
+
     def call_leaders(self, method: str, *args) -> List[Any]:
         """Call ``method`` on every rank (TP ranks compute together); return the replica leaders' results."""
         refs = [getattr(w, method).remote(*args) for w in self.workers]

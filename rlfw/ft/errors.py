@@ -1,0 +1,9 @@
+"""Errors that no replacement cell can fix: the driver stops the run on them instead of healing."""
+
+
+class FatalError(RuntimeError):
+    pass
+
+
+class StateLostError(FatalError):
+    """Every cell holding the trained state died; only a checkpoint can bring it back."""
