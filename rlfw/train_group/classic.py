@@ -9,7 +9,6 @@ from typing import Any, Dict, List
 
 import ray
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from rlfw.train_group.agreement import verify_agreement
 from rlfw.train_group.world import World, get_all
@@ -19,27 +18,30 @@ class ClassicSync:
     """Megatron DDP's SUM all-reduce of the grad buffers (calculate_per_token_loss: no averaging)."""
 
     def __init__(self, worker):
+        from megatron.core import parallel_state
+
         self.worker = worker
+        self.ps = parallel_state
 
     def begin_step(self):
-        return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        return self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
 
     def expect(self, num_replicas: int) -> None:
-        assert num_replicas == parallel_state.get_data_parallel_world_size()
+        assert num_replicas == self.ps.get_data_parallel_world_size()
 
     def require_state(self, meta) -> None:
         pass  # one world: every rank holds the state or the run is over
 
     def reduce_and_commit(self, part):
         self.worker.trainer.model.finish_grad_sync()
-        group = parallel_state.get_data_parallel_group()
+        group = self.ps.get_data_parallel_group()
         ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
         def allreduce(tensor, op):
             dist.all_reduce(tensor, op=ops[op], group=group)
             return tensor
 
-        verify_agreement(part, parallel_state.get_data_parallel_world_size(), allreduce)
+        verify_agreement(part, self.ps.get_data_parallel_world_size(), allreduce)
         return True, {}
 
     def shutdown(self) -> None:

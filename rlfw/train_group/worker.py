@@ -175,7 +175,9 @@ class TrainerWorker:
             "step": step,
             "cursor": dict(self.cursor),
         }
-        target = path if self.world_size == 1 else f"{path}/rank_{self.rank}"
+        from megatron.core import parallel_state
+
+        target = path if self.cfg.dp.tp == 1 else f"{path}/tp_rank_{parallel_state.get_tensor_model_parallel_rank()}"
         write_checkpoint(target, state, before_commit=lambda: self.faults.maybe_die("checkpoint_save", step - 1))
 
     def weights_digest(self) -> str:
