@@ -121,7 +121,7 @@ def run_loop(cfg, group, manager, loggers, run_dir: Path, checkpointer=None) -> 
             batch = attach_logprobs(group, batch)
             t2 = time.perf_counter()
             minibatches = batch.minibatches(cfg.algo.global_batch_size)
-            results = group.train(plan_split(minibatches, cfg.split, group.num_replicas))
+            results = group.train(plan_split(minibatches, cfg.split, len(group.replica_ids)))
             t3 = time.perf_counter()
             trained = trained_sample_ids(results)
             check_exactly_once(batch, trained)

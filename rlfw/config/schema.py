@@ -98,6 +98,9 @@ class FTConfig:
     collective_timeout_s: float = 30.0
     replace_failed: bool = True
     replacement_deadline_s: float = 120.0
+    # Before a step, wait up to this long for replacements still setting up (0 = never wait: a replacement
+    # joins whenever it is ready). Demos and tests use it to make the heal happen at a predictable step.
+    await_replacement_s: float = 0.0
     verify_weights_every: int = 0  # compare every replica's weights bitwise (SHA-256) every N steps; 0 = never
 
 

@@ -46,6 +46,9 @@ class Cell:
         )
         self.setup_refs: List[ray.ObjectRef] = []
         self.error: Optional[str] = None
+        # Holds the job's trained state: true from the start for the first cells (identical initial weights),
+        # and for a replacement only once it healed from a peer and committed a step.
+        self.current = incarnation == 0
 
     def allocate(self) -> None:
         assert self.state is CellState.PENDING, self.state
@@ -141,10 +144,11 @@ class CellGroup:
                 self._event("cell_joined", cell=cell.id, incarnation=cell.incarnation)
         return [c for c in sorted(self.cells.values(), key=lambda c: c.id) if c.state is CellState.ALIVE]
 
-    def _require_cells(self) -> List[Cell]:
-        """The alive cells, waiting for replacements up to the deadline when fewer than ft.min_cells are alive."""
+    def _require_cells(self, current_only: bool = False) -> List[Cell]:
+        """The alive cells (only those holding the trained state, with ``current_only``), waiting for
+        replacements up to the deadline when fewer than ft.min_cells are alive."""
         deadline = time.monotonic() + self.cfg.ft.replacement_deadline_s
-        while len(alive := self.alive) < self.cfg.ft.min_cells:
+        while len(alive := [c for c in self.alive if c.current or not current_only]) < self.cfg.ft.min_cells:
             if time.monotonic() > deadline or not self.cfg.ft.replace_failed:
                 raise RuntimeError(
                     f"only {len(alive)} cells alive, below ft.min_cells={self.cfg.ft.min_cells}, and no replacement "
@@ -155,7 +159,8 @@ class CellGroup:
 
     @property
     def num_replicas(self) -> int:
-        return len(self._require_cells())
+        """Replicas for the log-prob shares: the cells holding the trained state."""
+        return len(self._require_cells(current_only=True))
 
     @property
     def replica_ids(self) -> List[int]:
@@ -207,11 +212,19 @@ class CellGroup:
                                phase, detect_time=time.monotonic() - started)
         return results
 
+    def _await_replacements(self) -> None:
+        deadline = time.monotonic() + self.cfg.ft.await_replacement_s
+        while any(c.state is CellState.ALLOCATED for c in self.cells.values()) and time.monotonic() < deadline:
+            self.alive  # noqa: B018 -- polling promotes ready cells
+            time.sleep(0.05)
+
     def compute_logprobs(self, batch, parts: List[List[int]]) -> List[Dict[str, Any]]:
         """Share ``i`` goes to the i-th alive cell; a share whose cell dies is recomputed by a survivor."""
+        if self.cfg.ft.await_replacement_s > 0:
+            self._await_replacements()
         results: List[Optional[Dict[str, Any]]] = [None] * len(parts)
         while (todo := [i for i, r in enumerate(results) if r is None]):
-            cells = self._require_cells()
+            cells = self._require_cells(current_only=True)  # a replacement that has not healed has stale weights
             assignment = {cells[k % len(cells)].id: [] for k in range(min(len(todo), len(cells)))}
             for k, i in enumerate(todo):
                 assignment[cells[k % len(cells)].id].append(i)
@@ -235,6 +248,8 @@ class CellGroup:
         results = self._fan_out(calls, "train")
         if not results:
             raise RuntimeError("every cell failed during the step; nothing was committed")
+        for cell_id in results:
+            self.cells[cell_id].current = True  # it committed with its peers: healed if it needed to
         for cell_id, steps in results.items():
             for s in steps:
                 if s.get("heal_time") is not None:
@@ -249,7 +264,7 @@ class CellGroup:
         """Run ``call`` on every rank of the writer (the first alive cell); if the writer dies, fail it and run
         again on the next alive cell. Returns the object refs of the writer that succeeded."""
         while True:
-            writer = self._require_cells()[0]
+            writer = self._require_cells(current_only=True)[0]
             refs = [call(w) for w in writer.world.workers]
             try:
                 get_all(refs)
@@ -266,7 +281,7 @@ class CellGroup:
         self._on_writer("checkpoint_save", lambda w: w.save.remote(path, step))
 
     def weights_digests(self) -> Dict[int, str]:
-        cells = self._require_cells()
+        cells = self._require_cells(current_only=True)
         return dict(zip([c.id for c in cells], get_all([c.world.workers[0].weights_digest.remote() for c in cells])))
 
     def step_info(self) -> Dict[str, float]:
