@@ -67,6 +67,8 @@ class CellSync:
 
     def require_state(self, meta) -> None:
         """A replacement must have healed before it trains on anything past the first minibatch of the run."""
+        if self.manager.errored() is not None:
+            return  # a failed heal: this attempt will not commit and is retried on a fresh quorum
         if self.worker.incarnation > 0 and not self.healed and self.manager.current_step() == 0 and (
             meta["step"] > 0 or meta["minibatch_index"] > 0
         ):
@@ -115,7 +117,7 @@ class CellSync:
         }
 
     def _load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.worker.faults.maybe_die("heal_receive", self.worker.cursor["rl_step"])
+        self.worker.faults.maybe_die("heal_receive", state["cursor"]["rl_step"])
         trainer = self.worker.trainer
         trainer.model.module.load_state_dict(state["model"])
         trainer.optimizer.load_state_dict(state["optimizer"])

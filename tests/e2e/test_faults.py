@@ -64,8 +64,8 @@ def test_kill_at_phase(run, reference, phase, cell):
 
 def test_two_cells_die_at_once(run, reference):
     run_dir = run("two", *COMMON, "dp.num_cells=3", "fault=kill_once", "fault.cell=1", "fault.step=1",
-                  "fault.phase=mid_forward_backward",
-                  "fault.extra_kills=[{cell: 2, step: 1, phase: mid_forward_backward}]")
+                  "fault.phase=during_allreduce",
+                  "fault.extra_kills=[{cell: 2, step: 1, phase: during_allreduce}]")
     events = check_run(run_dir, reference, 3)
     assert sorted(e["cell"] for e in events if e["kind"] == "cell_failed")[:2] == [1, 2]
 
