@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 import numpy as np
 import ray
 
-from rlfw.data.batch import RolloutBatch, split_batch
+from rlfw.data.batch import EagerParts, RolloutBatch, split_batch
 from rlfw.data.partition import strided_partition
 
 
@@ -35,8 +35,11 @@ def attach_logprobs(group, batch: RolloutBatch) -> RolloutBatch:
 def plan_split(minibatches: List[RolloutBatch], split, num_replicas: int):
     """Eager: one object ref per replica and minibatch, now. Delayed: the minibatches, split at train time."""
     if split.when == "rollout":
-        return [[ray.put(p) for p in split_batch(mb, num_replicas, split.how, split.attention_weight)]
-                for mb in minibatches]
+        plans = []
+        for mb in minibatches:
+            parts = split_batch(mb, num_replicas, split.how, split.attention_weight)
+            plans.append(EagerParts([ray.put(p) for p in parts], [list(p.sample_ids) for p in parts]))
+        return plans
     return ray.put(minibatches)
 
 
@@ -89,8 +92,12 @@ def check_exactly_once(batch: RolloutBatch, trained_ids: List[int]) -> None:
     """Every sample of the rollout batch trained exactly once in a committed step, or a loud error."""
     if sorted(trained_ids) != sorted(batch.sample_ids):
         missing = set(batch.sample_ids) - set(trained_ids)
-        extra = len(trained_ids) - len(set(trained_ids))
-        raise RuntimeError(f"sample accounting failed: {len(missing)} samples never trained, {extra} trained twice")
+        twice = len(trained_ids) - len(set(trained_ids))
+        unknown = set(trained_ids) - set(batch.sample_ids)
+        raise RuntimeError(
+            f"sample accounting failed: {len(missing)} samples never trained, {twice} trained more than once, "
+            f"{len(unknown)} not in the rollout batch"
+        )
 
 
 def verify_replicas_equal(group, step: int) -> Dict[str, str]:

@@ -26,6 +26,8 @@ def group_advantages(
     advantages = np.zeros_like(rewards)
     for group in np.unique(group_ids):
         members = group_ids == group
+        if np.ptp(rewards[members]) == 0:
+            continue  # all equal: exactly 0 (the float mean of e.g. 0.7, 0.7, 0.7 is not exactly 0.7)
         centred = rewards[members] - rewards[members].mean()
         if normalize_std:
             centred = centred / (rewards[members].std() + eps)

@@ -47,7 +47,7 @@ class SplitConfig:
 @dataclass
 class RolloutConfig:
     backend: str = MISSING  # local | vllm | sglang
-    num_prompts: int = 16  # prompts per RL step
+    num_prompts: int = 32  # prompts per RL step
     n_samples_per_prompt: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -60,10 +60,10 @@ class RolloutConfig:
 class ModelConfig:
     name: str = MISSING
     num_layers: int = 2
-    hidden_size: int = 64
+    hidden_size: int = 128
     num_attention_heads: int = 4
     num_query_groups: int = 2
-    ffn_hidden_size: int = 256
+    ffn_hidden_size: int = 512
     max_seq_len: int = 64
     rope_theta: float = 10000.0
     norm_epsilon: float = 1e-5
@@ -136,7 +136,7 @@ class LoggerConfig:
 class RLConfig:
     defaults: List[Any] = field(default_factory=lambda: ["_self_"])
     seed: int = 1
-    num_steps: int = 30
+    num_steps: int = 200
     run_dir: Optional[str] = None  # default: Hydra's output dir
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     dp: DPConfig = field(default_factory=DPConfig)

@@ -57,6 +57,15 @@ class RolloutBatch:
         return parts
 
 
+@dataclass
+class EagerParts:
+    """A minibatch split at rollout time: one object ref per planned replica, and the sample ids of each part
+    (small), so every participant knows who trained what without fetching the others' data."""
+
+    refs: List[Any]
+    sample_ids: List[List[int]]
+
+
 def split_batch(batch: RolloutBatch, num_parts: int, how: str, attention_weight: float = 0.0) -> List[RolloutBatch]:
     """Partition ``batch`` into ``num_parts`` parts (some may be empty) by policy ``how`` (strided | balanced).
 

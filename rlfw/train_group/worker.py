@@ -106,7 +106,7 @@ class TrainerWorker:
 
     def train(self, minibatches, num_replicas: int) -> List[Dict[str, Any]]:
         """One optimizer step per minibatch. ``minibatches`` is a list of whole minibatches (delayed split) or
-        a list of per-replica ObjectRef lists (eager split); ``num_replicas`` replicas were sent this call."""
+        a list of EagerParts (eager split); ``num_replicas`` replicas were sent this call."""
         self.sync.expect(num_replicas)
         return [self._train_minibatch(mb) for mb in minibatches]
 
@@ -117,7 +117,7 @@ class TrainerWorker:
             t0 = time.perf_counter()
             replica, num_replicas = self.sync.begin_step()
             t_quorum = time.perf_counter()
-            part, parts = self._take_part(minibatch, replica, num_replicas)
+            part, participant_ids = self._take_part(minibatch, replica, num_replicas)
             step = part.meta["step"]
             self.sync.require_state(part.meta)
             self.cursor.update(rl_step=step, minibatch_index=part.meta["minibatch_index"])
@@ -134,7 +134,7 @@ class TrainerWorker:
             if committed:
                 return {
                     "minibatch_index": part.meta["minibatch_index"], "sample_ids": list(part.sample_ids),
-                    "participant_ids": [list(p.sample_ids) for p in parts] if parts else None,
+                    "participant_ids": participant_ids,
                     "num_samples": len(part),
                     "num_tokens": part.num_response_tokens(), "grad_norm": grad_norm, "sums": sums,
                     "replica": replica, "num_replicas": num_replicas, "attempts": attempts,
@@ -143,16 +143,16 @@ class TrainerWorker:
                 }
 
     def _take_part(self, minibatch, replica: int, num_replicas: int):
-        """This replica's share, and every participant's share when it is known without moving more data (the
-        split is deterministic, so all participants agree on it)."""
+        """This replica's share, and the sample ids of every participant's share (the split is deterministic, so
+        all participants agree on it; a survivor can vouch for a peer that died after a committed step)."""
         if isinstance(minibatch, RolloutBatch):  # delayed: split now, over this step's participants
             whole = minibatch
-        elif len(minibatch) == num_replicas:  # eager, as planned: fetch only this replica's object ref
-            return ray.get(minibatch[replica]), None
+        elif len(minibatch.refs) == num_replicas:  # eager, as planned: fetch only this replica's object ref
+            return ray.get(minibatch.refs[replica]), minibatch.sample_ids
         else:  # eager, but the participant set changed since the split was planned: re-split the union
-            whole = merge(ray.get(list(minibatch)))
+            whole = merge(ray.get(list(minibatch.refs)))
         parts = split_batch(whole, num_replicas, self.cfg.split.how, self.cfg.split.attention_weight)
-        return parts[replica], parts
+        return parts[replica], [list(p.sample_ids) for p in parts]
 
     def export_weights(self) -> Dict[str, torch.Tensor]:
         """Full weights in Hugging Face names, for the rollout engines (TP=1 ranks hold the full model)."""

@@ -42,13 +42,14 @@ def check_run(run_dir, reference, num_cells, expect_heal=True):
 
 
 @pytest.mark.parametrize(
-    "phase,cell",
-    [("before_forward", 1), ("mid_forward_backward", 1), ("during_allreduce", 1), ("after_vote", 1),
-     ("weight_sync", 0), ("checkpoint_save", 0)],
+    "phase,cell,split",
+    [("before_forward", 1, "delayed"), ("mid_forward_backward", 1, "delayed"), ("during_allreduce", 1, "balanced"),
+     ("after_vote", 1, "delayed"), ("after_vote", 1, "eager"), ("weight_sync", 0, "delayed"),
+     ("checkpoint_save", 0, "delayed")],
 )
-def test_kill_at_phase(run, reference, phase, cell):
+def test_kill_at_phase(run, reference, phase, cell, split):
     run_dir = run(phase, *COMMON, "dp.num_cells=2", "fault=kill_once", f"fault.phase={phase}", f"fault.cell={cell}",
-                  "fault.step=1")
+                  "fault.step=1", f"split={split}")
     events = check_run(run_dir, reference, 2)
     failed = [e for e in events if e["kind"] == "cell_failed"]
     assert failed[0]["cell"] == cell

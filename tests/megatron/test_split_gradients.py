@@ -1,0 +1,170 @@
+"""The core exactness property: however a minibatch is split among replicas (and packed into micro-batches), the
+sum of the replicas' gradients is the gradient of one pass over the whole minibatch.
+
+One process, world size 1 (gloo on CPU): each "replica" is a forward_backward on its part with the grads zeroed
+before, so the sum over parts is what the cross-replica all-reduce would compute.
+"""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlfw.data.batch import RolloutBatch, split_batch
+from rlfw.megatron.model import ModelShape
+
+SHAPE = ModelShape(
+    num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vocab_size=16,
+    max_seq_len=32,
+)
+NUM_SAMPLES = 13
+RTOL, ATOL = 1e-5, 1e-7
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    torch.set_num_threads(1)
+    from rlfw.megatron.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    from megatron.core import parallel_state
+
+    from rlfw.megatron.policy import PolicyTrainer
+
+    if not dist.is_initialized():
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    algo = SimpleNamespace(
+        lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, grad_clip=1.0, clip_eps_low=0.2,
+        clip_eps_high=0.28, kl_coef=0.0, loss_agg="token_mean", max_tokens_per_microbatch=64,
+    )
+    return PolicyTrainer(SHAPE, algo, tp=1, temperature=0.7, device=torch.device("cpu"), init_seed=0)
+
+
+@pytest.fixture(scope="module")
+def rollout(trainer):
+    """13 samples of varied prompt/response lengths (at most 16 tokens), advantages, and the trainer's log-probs."""
+    rng = random.Random(0)
+    cols = {k: [] for k in ("sample_id", "group_id", "tokens", "prompt_len", "advantage")}
+    for i in range(NUM_SAMPLES):
+        p, r = rng.randint(1, 6), rng.randint(1, 10)
+        cols["sample_id"].append(i)
+        cols["group_id"].append(i // 4)
+        cols["tokens"].append([rng.randrange(SHAPE.vocab_size) for _ in range(p + r)])
+        cols["prompt_len"].append(p)
+        cols["advantage"].append(rng.gauss(0.0, 1.0))
+    batch = RolloutBatch(cols, {"step": 0})
+    batch.samples.update(trainer.logprobs(batch))
+    return batch
+
+
+def with_old_logprobs(batch: RolloutBatch, ratio: str) -> RolloutBatch:
+    """``own``: old = current log-probs (ratio 1); ``perturbed``: shifted so ratios spread across the clip range."""
+    out = batch.select(range(len(batch)))
+    if ratio == "perturbed":
+        rng = random.Random(1)
+        out.samples["old_logprobs"] = [[v + rng.gauss(0.0, 0.3) for v in lp] for lp in out.samples["old_logprobs"]]
+    return out
+
+
+def grads(trainer, parts, loss_agg, max_tokens=64):
+    """The sum over ``parts`` of each part's gradient (as one replica computes it), and the summed loss terms."""
+    trainer.algo.loss_agg = loss_agg
+    trainer.algo.max_tokens_per_microbatch = max_tokens
+    total, stats = None, {}
+    for part in parts:
+        trainer.zero_grad()
+        for key, value in trainer.forward_backward(part).items():
+            stats[key] = stats.get(key, 0.0) + value
+        g = [b.clone().double() for b in trainer.grad_buffers()]
+        total = g if total is None else [t + x for t, x in zip(total, g)]
+    return total, stats
+
+
+def assert_same(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        assert torch.allclose(a, e, rtol=RTOL, atol=ATOL), (a - e).abs().max().item()
+
+
+def test_logprobs_are_the_response_logprobs(trainer, rollout):
+    lps = rollout.samples["old_logprobs"]
+    assert [len(lp) for lp in lps] == rollout.response_lengths()
+    assert all(v < 0 for lp in lps for v in lp)
+    # packing does not change the numbers: one sample per micro-batch vs everything in one row
+    trainer.algo.max_tokens_per_microbatch = 16
+    one_by_one = trainer.logprobs(rollout)["old_logprobs"]
+    trainer.algo.max_tokens_per_microbatch = 512
+    packed = trainer.logprobs(rollout)["old_logprobs"]
+    for a, b in zip(one_by_one, packed):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ratio", ["own", "perturbed"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "sample_mean"])
+def test_sum_of_split_gradients_equals_whole_gradient(trainer, rollout, loss_agg, ratio):
+    (minibatch,) = with_old_logprobs(rollout, ratio).minibatches(0)
+    whole, whole_stats = grads(trainer, [minibatch], loss_agg)
+    assert sum(g.abs().sum().item() for g in whole) > 0  # a real gradient, not zeros
+    if ratio == "perturbed":
+        assert 0 < whole_stats["clip_frac"] < 1  # some tokens are clipped, some are not
+    else:
+        assert whole_stats["clip_frac"] == 0 and whole_stats["ratio"] == pytest.approx(1.0, rel=1e-5)
+
+    for how in ("strided", "balanced"):
+        for k in (1, 2, 3, 4):
+            parts = split_batch(minibatch, k, how)
+            assert sorted(i for p in parts for i in p.sample_ids) == list(range(NUM_SAMPLES))
+            summed, stats = grads(trainer, parts, loss_agg)
+            assert_same(summed, whole)
+            for key in ("loss", "clip_frac", "ratio"):  # weighted sums: the parts add up to the global mean
+                assert stats[key] == pytest.approx(whole_stats[key], rel=1e-5, abs=1e-7), (how, k, key)
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "sample_mean"])
+def test_more_replicas_than_samples(trainer, rollout, loss_agg):
+    # 13 samples in minibatches of 5: the last one has 3 samples, so one of 4 replicas gets an empty part.
+    minibatch = with_old_logprobs(rollout, "perturbed").minibatches(5)[-1]
+    assert len(minibatch) == 3 and minibatch.meta["minibatch_index"] == 2
+    whole, _ = grads(trainer, [minibatch], loss_agg)
+    for how in ("strided", "balanced"):
+        parts = split_batch(minibatch, 4, how)
+        assert sorted(len(p) for p in parts) == [0, 1, 1, 1]
+        # the empty part leaves zeros in the grad buffers (it still joins the all-reduce)
+        trainer.zero_grad()
+        assert trainer.forward_backward(next(p for p in parts if len(p) == 0)) == {}
+        assert all((b == 0).all() for b in trainer.grad_buffers())
+        summed, _ = grads(trainer, parts, loss_agg)
+        assert_same(summed, whole)
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "sample_mean"])
+def test_microbatch_budget_does_not_change_the_gradient(trainer, rollout, loss_agg):
+    (minibatch,) = with_old_logprobs(rollout, "perturbed").minibatches(0)
+    small, small_stats = grads(trainer, [minibatch], loss_agg, max_tokens=32)
+    large, large_stats = grads(trainer, [minibatch], loss_agg, max_tokens=512)
+    assert_same(small, large)
+    assert small_stats["loss"] == pytest.approx(large_stats["loss"], rel=1e-5)
+
+
+def test_loss_aggregation_matters(trainer, rollout):
+    # Guards the tests above against a loss that ignores its weights: the two aggregations differ.
+    (minibatch,) = with_old_logprobs(rollout, "perturbed").minibatches(0)
+    token, _ = grads(trainer, [minibatch], "token_mean")
+    sample, _ = grads(trainer, [minibatch], "sample_mean")
+    assert not all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(token, sample))
+
+
+def test_own_share_alone_is_not_the_whole_gradient(trainer, rollout):
+    # A replica's part carries the whole minibatch's denominators: its gradient is a share, not a mean.
+    (minibatch,) = with_old_logprobs(rollout, "perturbed").minibatches(0)
+    whole, _ = grads(trainer, [minibatch], "token_mean")
+    part = split_batch(minibatch, 2, "strided")[0]
+    share, _ = grads(trainer, [part], "token_mean")
+    # Were each part normalised by its own token count, the two shares would sum to roughly twice the gradient.
+    assert not all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(share, whole))
