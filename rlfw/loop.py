@@ -9,7 +9,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import ray
@@ -59,6 +59,10 @@ def step_metrics(batch: RolloutBatch, results: Dict[int, List[Dict[str, Any]]], 
     m["train/num_samples"] = sum(m[f"{prefix}/{r}/num_samples"] for r in results)
     m["train/num_tokens"] = sum(m[f"{prefix}/{r}/num_tokens"] for r in results)
     m["train/optimizer_steps"] = num_steps
+    for key in ("time/quorum", "time/forward_backward", "time/reduce_and_vote"):  # where a replica's step goes
+        values = [s[key] for steps in results.values() for s in steps if key in s]
+        if values:
+            m[f"train/{key}"] = float(np.mean(values))
     norms = [s["grad_norm"] for steps in results.values() for s in steps if s.get("grad_norm") is not None]
     if norms:
         m["train/grad_norm"] = float(np.mean(norms))
@@ -109,7 +113,10 @@ def verify_replicas_equal(group, step: int) -> Dict[str, str]:
     return {str(k): v for k, v in digests.items()}
 
 
-def run_loop(cfg, group, manager, loggers, run_dir: Path, checkpointer=None) -> Dict[str, float]:
+def run_loop(
+    cfg, group, manager, loggers, run_dir: Path, checkpointer=None, started: Optional[float] = None
+) -> Dict[str, float]:
+    started = started if started is not None else time.time()
     version = 0
     ray.get(manager.update_weights.remote(group.export_weights(), version))
     ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)  # per step: trained sample ids, weight digests
@@ -142,7 +149,8 @@ def run_loop(cfg, group, manager, loggers, run_dir: Path, checkpointer=None) -> 
             metrics.update(group.step_info())
             for event in group.drain_events():
                 loggers.event(event.pop("kind"), step, **event)
-            metrics.update({"time/logprobs": t2 - t1, "time/train": t3 - t2, "time/step": time.perf_counter() - t0})
+            metrics.update({"time/logprobs": t2 - t1, "time/train": t3 - t2, "time/step": time.perf_counter() - t0,
+                            "time/elapsed": time.time() - started})
             if not math.isfinite(metrics.get("loss", 0.0)):
                 raise FloatingPointError(f"step {step}: the loss is {metrics['loss']}; stopping before it spreads")
             loggers.log(metrics, step)

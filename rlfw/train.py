@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -29,6 +30,7 @@ def build_group(cfg, vocab_size: int):
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
+    started = time.time()
     import ray
     import torch
 
@@ -59,7 +61,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     try:
         group = build_group(cfg, vocab_size)
         manager = RolloutManager.remote(OmegaConf.to_container(cfg, resolve=True), shape)
-        metrics = run_loop(cfg, group, manager, loggers, run_dir, Checkpointer(cfg, group, run_dir))
+        metrics = run_loop(cfg, group, manager, loggers, run_dir, Checkpointer(cfg, group, run_dir), started)
         exit_code = 0
         return metrics
     finally:

@@ -1,0 +1,36 @@
+"""Learning benchmark: the default run's reward curve, time to the first step, wall time.
+
+    .venv/bin/python bench/bench_learning.py [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from runner import OUT, run_training, table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    run = run_training("learning", [f"num_steps={args.steps}", "logger=jsonl", *args.overrides])
+    rows = run["rows"]
+    window = 10
+    curve = []
+    for start in range(0, len(rows), max(len(rows) // 10, 1)):
+        chunk = rows[start:start + window]
+        curve.append([chunk[0]["step"], sum(r["reward/mean"] for r in chunk) / len(chunk), chunk[-1]["time/elapsed"]])
+    print(table(["step", f"reward/mean (avg of {window} steps)", "elapsed s"], curve))
+    first = sum(r["reward/mean"] for r in rows[:window]) / window
+    last = sum(r["reward/mean"] for r in rows[-window:]) / window
+    summary = {"steps": len(rows), "reward_first10": first, "reward_last10": last,
+               "first_step_s": run["first_step_s"], "wall_s": run["wall_s"]}
+    print(table(list(summary), [list(summary.values())]))
+    (OUT / "learning.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
