@@ -41,7 +41,7 @@ def main() -> None:
     schedule = kill_schedule(args.steps, args.every)
     faulty = run_training("faults_kill", [*common, "fault=kill_once", "fault.step=1000000", "fault.cell=0",
                                           f"fault.extra_kills={schedule}"])
-    fresh = run_training("faults_fresh_job", [f"num_steps=3", "logger=jsonl", "checkpoint.interval=1"])
+    fresh = run_training("faults_fresh_job", ["num_steps=3", "logger=jsonl", "checkpoint.interval=1"])
 
     failures = [e for e in faulty["events"] if e["kind"] == "cell_failed"]
     heals = [e for e in faulty["events"] if e["kind"] == "heal"]

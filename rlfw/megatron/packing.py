@@ -94,7 +94,8 @@ def build_microbatch(batch: RolloutBatch, indices: Sequence[int], weights: Optio
         offset += n
     T = len(tokens)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
-    seq_id = torch.repeat_interleave(torch.arange(len(indices)), torch.tensor([len(batch.samples["tokens"][i]) for i in indices]))
+    lengths = torch.tensor([len(batch.samples["tokens"][i]) for i in indices])
+    seq_id = torch.repeat_interleave(torch.arange(len(indices)), lengths)
     allowed = causal & (seq_id[:, None] == seq_id[None, :])
 
     def row(values, dtype=torch.float32):

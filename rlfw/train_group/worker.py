@@ -6,6 +6,7 @@ step's gradient) and the world it belongs to (the whole DP group, or its own cel
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import time
@@ -123,8 +124,8 @@ class TrainerWorker:
             self.cursor.update(rl_step=step, minibatch_index=part.meta["minibatch_index"])
             self.faults.maybe_die("before_forward", step)
             self.trainer.zero_grad()
-            sums = self.trainer.forward_backward(part, on_microbatch=lambda i: i == 1 and self.faults.maybe_die(
-                "mid_forward_backward", step))
+            hook = functools.partial(self._between_microbatches, step)
+            sums = self.trainer.forward_backward(part, on_microbatch=hook)
             t_fb = time.perf_counter()
             committed, info = self.sync.reduce_and_commit(part)
             t_sync = time.perf_counter()
@@ -141,6 +142,10 @@ class TrainerWorker:
                     "time/quorum": t_quorum - t0, "time/forward_backward": t_fb - t_quorum,
                     "time/reduce_and_vote": t_sync - t_fb, "time/step": time.perf_counter() - t0, **info,
                 }
+
+    def _between_microbatches(self, step: int, index: int) -> None:
+        if index == 1:
+            self.faults.maybe_die("mid_forward_backward", step)
 
     def _take_part(self, minibatch, replica: int, num_replicas: int):
         """This replica's share, and the sample ids of every participant's share (the split is deterministic, so

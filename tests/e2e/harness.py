@@ -3,7 +3,6 @@
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from hydra import compose, initialize_config_dir
 

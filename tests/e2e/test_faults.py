@@ -13,8 +13,8 @@ pytestmark = pytest.mark.e2e
 
 STEPS = 6
 # Replacements join at the step after the death (the driver waits for them), so heals happen at a known step.
-COMMON = ["dp=cells", f"num_steps={STEPS}", "ft.await_replacement_s=60", "ft.verify_weights_every=1", "split=delayed", "rollout.num_prompts=4",
-          "checkpoint.interval=2"]
+COMMON = ["dp=cells", f"num_steps={STEPS}", "ft.await_replacement_s=60", "ft.verify_weights_every=1",
+          "split=delayed", "rollout.num_prompts=4", "checkpoint.interval=2"]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,8 @@ def reference(tmp_path_factory):
 def check_run(run_dir, reference, num_cells, expect_heal=True):
     ledger = read_jsonl(run_dir / "ledger.jsonl")
     per_step = 4 * 8
-    assert [e["sample_ids"] for e in ledger] == [list(range(s * per_step, (s + 1) * per_step)) for s in range(STEPS)]
+    expected = [list(range(s * per_step, (s + 1) * per_step)) for s in range(STEPS)]
+    assert [e["sample_ids"] for e in ledger] == expected
     for entry in ledger:
         assert len(set(entry["weight_digests"].values())) == 1, entry["step"]
     events = read_jsonl(run_dir / "events.jsonl")

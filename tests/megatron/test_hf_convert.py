@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import LlamaForCausalLM
 
 from rlfw.megatron.hf_convert import hf_config, hf_to_megatron, megatron_to_hf
@@ -20,25 +19,16 @@ SHAPE = ModelShape(
 
 
 @pytest.fixture(scope="module")
-def megatron_model():
+def megatron_model(megatron_world):
     """A single-process (gloo, TP=PP=1) Megatron GPTModel with every weight randomised.
 
     Megatron initialises the norm weights to one, which would hide a swapped pair of norms; random values
     everywhere make each weight matter to the logits.
     """
-    torch.set_num_threads(1)
-    from rlfw.megatron.cpu_compat import apply_cpu_compat
-
-    apply_cpu_compat()
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
     from rlfw.megatron.model import build_gpt, transformer_config
 
-    if not dist.is_initialized():
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1, inference_rng_tracker=True)
 
     model = build_gpt(SHAPE, transformer_config(SHAPE)).eval()

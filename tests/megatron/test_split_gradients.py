@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlfw.data.batch import RolloutBatch, split_batch
 from rlfw.megatron.model import ModelShape
@@ -24,20 +23,10 @@ RTOL, ATOL = 1e-5, 1e-7
 
 
 @pytest.fixture(scope="module")
-def trainer():
-    torch.set_num_threads(1)
-    from rlfw.megatron.cpu_compat import apply_cpu_compat
-
-    apply_cpu_compat()
-    from megatron.core import parallel_state
+def trainer(megatron_world):
 
     from rlfw.megatron.policy import PolicyTrainer
 
-    if not dist.is_initialized():
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
     algo = SimpleNamespace(
         lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, grad_clip=1.0, clip_eps_low=0.2,
         clip_eps_high=0.28, kl_coef=0.0, loss_agg="token_mean", max_tokens_per_microbatch=64,
