@@ -154,3 +154,33 @@ class PolicyTrainer:
         """This rank's shard of the weights (Megatron names, without DDP's ``module.`` prefix)."""
         return {k: v for k, v in self.model.module.state_dict().items() if not k.endswith("_extra_state")}
 
+    def full_weights(self) -> Dict[str, torch.Tensor]:
+        """The unsharded weights on every tensor-parallel rank (a collective: all TP ranks must call it).
+
+        Column- and row-parallel shards concatenate along their partition dim, except SwiGLU's fused fc1: each
+        rank holds [gate shard; up shard], and the full weight is [all gate rows; all up rows].
+        """
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        weights = self.named_weights()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if tp == 1:
+            return weights
+        group = parallel_state.get_tensor_model_parallel_group()
+        params = dict(self.model.module.named_parameters())
+        full = {}
+        for name, shard in weights.items():
+            param = params.get(name)
+            if param is None or not getattr(param, "tensor_model_parallel", False):
+                full[name] = shard  # replicated on every TP rank (norms)
+                continue
+            shards = [torch.empty_like(shard) for _ in range(tp)]
+            dist.all_gather(shards, shard.contiguous(), group=group)
+            if name.endswith("mlp.linear_fc1.weight"):
+                gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
+                full[name] = torch.cat([*gates, *ups], dim=0)
+            else:
+                full[name] = torch.cat(shards, dim=param.partition_dim)
+        return full
+

@@ -71,7 +71,10 @@ class ClassicGroup:
         return dict(enumerate(results))
 
     def export_weights(self) -> ray.ObjectRef:
-        return self.world.workers[0].export_weights.remote()
+        """Replica 0's TP ranks gather the full weights together; rank 0's copy goes to the engines."""
+        refs = [w.export_weights.remote() for w in self.world.leaders_group(0)]
+        get_all(refs)
+        return refs[0]
 
     def save(self, path: str, step: int) -> None:
         """Replica 0 holds every weight (its TP ranks each save their shard)."""

@@ -160,14 +160,12 @@ class TrainerWorker:
         return parts[replica], [list(p.sample_ids) for p in parts]
 
     def export_weights(self) -> Dict[str, torch.Tensor]:
-        """Full weights in Hugging Face names, for the rollout engines (TP=1 ranks hold the full model)."""
+        """Full weights in Hugging Face names, for the rollout engines (every TP rank of the replica calls it)."""
         from rlfw.megatron.hf_convert import megatron_to_hf
 
         self.faults.maybe_die("weight_sync", self.cursor["rl_step"])
-        if self.cfg.dp.tp != 1:
-            raise NotImplementedError("weight export with dp.tp > 1 is not implemented yet")
-        return megatron_to_hf({k: v.detach().cpu().clone() for k, v in self.trainer.named_weights().items()},
-                              self.shape)
+        full = self.trainer.full_weights()
+        return megatron_to_hf({k: v.detach().cpu().clone() for k, v in full.items()}, self.shape)
 
     def save(self, path: str, step: int) -> None:
         """Save model, optimizer, RNG and cursor (this rank's shards; TP > 1 saves one file per rank)."""
