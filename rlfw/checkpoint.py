@@ -50,9 +50,12 @@ class Checkpointer:
         self.save_final = cfg.checkpoint.save_final
         self.root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
 
+    def save_now(self, steps_done: int) -> Path:
+        path = self.root / f"step_{steps_done}"
+        self.group.save(str(path), steps_done)
+        return path
+
     def maybe_save(self, step: int, final: bool) -> Optional[Path]:
         if (self.interval and (step + 1) % self.interval == 0) or (final and self.save_final):
-            path = self.root / f"step_{step + 1}"
-            self.group.save(str(path), step + 1)
-            return path
+            return self.save_now(step + 1)
         return None

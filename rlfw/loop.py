@@ -16,6 +16,7 @@ import ray
 
 from rlfw.data.batch import EagerParts, RolloutBatch, split_batch
 from rlfw.data.partition import strided_partition
+from rlfw.ft.errors import BelowMinCellsError
 
 
 def attach_logprobs(group, batch: RolloutBatch) -> RolloutBatch:
@@ -121,6 +122,7 @@ def run_loop(
     ray.get(manager.update_weights.remote(group.export_weights(), version))
     ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)  # per step: trained sample ids, weight digests
     metrics: Dict[str, float] = {}
+    step = 0
     try:
         for step in range(cfg.num_steps):
             t0 = time.perf_counter()
@@ -158,6 +160,11 @@ def run_loop(
                 loggers.table("generations", ["sample_id", "prompt", "response", "reward"], rollout["examples"], step)
             if checkpointer is not None:
                 checkpointer.maybe_save(step, final=step == cfg.num_steps - 1)
+    except BelowMinCellsError as e:
+        if checkpointer is None:
+            raise
+        path = checkpointer.save_now(step)  # the steps before this one are committed on the survivors
+        raise BelowMinCellsError(f"{e}; the trained state of {step} steps is saved in {path}") from e
     finally:
         ledger.close()
     return metrics

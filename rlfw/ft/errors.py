@@ -7,3 +7,7 @@ class FatalError(RuntimeError):
 
 class StateLostError(FatalError):
     """Every cell holding the trained state died; only a checkpoint can bring it back."""
+
+
+class BelowMinCellsError(FatalError):
+    """Fewer than ft.min_cells cells stayed alive and no replacement became ready before the deadline."""

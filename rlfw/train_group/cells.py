@@ -18,7 +18,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from rlfw.ft.cell_sync import CellSync
-from rlfw.ft.errors import FatalError
+from rlfw.ft.errors import BelowMinCellsError, FatalError
 from rlfw.ft.lighthouse import Lighthouse
 from rlfw.train_group.world import World, get_all
 
@@ -144,13 +144,14 @@ class CellGroup:
                 self._event("cell_joined", cell=cell.id, incarnation=cell.incarnation)
         return [c for c in sorted(self.cells.values(), key=lambda c: c.id) if c.state is CellState.ALIVE]
 
-    def _require_cells(self, current_only: bool = False) -> List[Cell]:
+    def _require_cells(self, current_only: bool = False, minimum: Optional[int] = None) -> List[Cell]:
         """The alive cells (only those holding the trained state, with ``current_only``), waiting for
-        replacements up to the deadline when fewer than ft.min_cells are alive."""
+        replacements up to the deadline when fewer than ``minimum`` (default ft.min_cells) are alive."""
+        minimum = self.cfg.ft.min_cells if minimum is None else minimum
         deadline = time.monotonic() + self.cfg.ft.replacement_deadline_s
-        while len(alive := [c for c in self.alive if c.current or not current_only]) < self.cfg.ft.min_cells:
+        while len(alive := [c for c in self.alive if c.current or not current_only]) < minimum:
             if time.monotonic() > deadline or not self.cfg.ft.replace_failed:
-                raise RuntimeError(
+                raise BelowMinCellsError(
                     f"only {len(alive)} cells alive, below ft.min_cells={self.cfg.ft.min_cells}, and no replacement "
                     f"became ready within ft.replacement_deadline_s={self.cfg.ft.replacement_deadline_s}"
                 )
@@ -250,6 +251,13 @@ class CellGroup:
             raise RuntimeError("every cell failed during the step; nothing was committed")
         for cell_id in results:
             self.cells[cell_id].current = True  # it committed with its peers: healed if it needed to
+        retried: Dict[int, Dict[str, Any]] = {}
+        for steps in results.values():
+            for s in steps:
+                if s["attempts"] > 1 and s["attempts"] > retried.get(s["minibatch_index"], {}).get("attempts", 0):
+                    retried[s["minibatch_index"]] = s
+        for mb, s in sorted(retried.items()):  # a discarded step redone on a fresh split of the same data
+            self._event("resplit", minibatch=mb, attempts=s["attempts"], participants=s["num_replicas"])
         for cell_id, steps in results.items():
             for s in steps:
                 if s.get("heal_time") is not None:
@@ -264,7 +272,7 @@ class CellGroup:
         """Run ``call`` on every rank of the writer (the first alive cell); if the writer dies, fail it and run
         again on the next alive cell. Returns the object refs of the writer that succeeded."""
         while True:
-            writer = self._require_cells(current_only=True)[0]
+            writer = self._require_cells(current_only=True, minimum=1)[0]
             refs = [call(w) for w in writer.world.workers]
             try:
                 get_all(refs)
