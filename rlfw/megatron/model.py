@@ -2,7 +2,8 @@
 
 The architecture is the one Hugging Face calls ``LlamaForCausalLM`` (and Qwen2/3 minus biases), so weights convert
 one-to-one to the rollout engines (see ``rlfw.megatron.hf_convert``). The Megatron *local* layer spec is used
-unless Transformer Engine is installed.
+unless Transformer Engine is installed; on CUDA its core attention is ``rlfw.megatron.attention.SDPAttention``
+(PyTorch's fused kernels) unless ``core_attention="megatron"`` asks for Megatron's unfused one.
 """
 
 from __future__ import annotations
@@ -64,28 +65,45 @@ def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool =
     )
 
 
-def layer_spec(shape: ModelShape):
-    try:  # Transformer Engine, where installed (GPU machines)
-        import transformer_engine  # noqa: F401
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+CORE_ATTENTION = ("auto", "sdpa", "megatron")
 
-        if torch.cuda.is_available():
-            return get_gpt_layer_with_transformer_engine_spec()
-    except ImportError:
-        pass
+
+def layer_spec(shape: ModelShape, core_attention: str = "auto"):
+    """The transformer layer spec. ``core_attention``: ``"megatron"`` is Megatron's local spec with its unfused
+    ``DotProductAttention``; ``"sdpa"`` the local spec with ``rlfw.megatron.attention.SDPAttention`` (PyTorch's fused
+    kernels, varlen flash for packed rows); ``"auto"`` is Transformer Engine's spec where TE is installed and CUDA is
+    available, else SDPA on CUDA and Megatron's own attention on CPU."""
+    if core_attention not in CORE_ATTENTION:
+        raise ValueError(f"core_attention must be one of {CORE_ATTENTION}, not {core_attention!r}")
+    if core_attention == "auto":
+        if not torch.cuda.is_available():
+            core_attention = "megatron"
+        else:
+            try:  # Transformer Engine, where installed (GPU machines)
+                import transformer_engine  # noqa: F401
+                from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+                return get_gpt_layer_with_transformer_engine_spec()
+            except ImportError:
+                core_attention = "sdpa"
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if core_attention == "sdpa":
+        from rlfw.megatron.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
-def build_gpt(shape: ModelShape, config) -> torch.nn.Module:
+def build_gpt(shape: ModelShape, config, core_attention: str = "auto") -> torch.nn.Module:
     """A GPTModel for this pipeline stage (parallel_state must be initialised)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(shape),
+        transformer_layer_spec=layer_spec(shape, core_attention),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_seq_len,
         pre_process=parallel_state.is_pipeline_first_stage(),

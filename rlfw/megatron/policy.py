@@ -22,7 +22,8 @@ class PolicyTrainer:
     """Requires torch.distributed and Megatron's parallel_state to be initialised for this rank's world."""
 
     def __init__(
-        self, shape: ModelShape, algo, tp: int, temperature: float, device: torch.device, init_seed: int
+        self, shape: ModelShape, algo, tp: int, temperature: float, device: torch.device, init_seed: int,
+        bf16: bool = False,
     ):
         from megatron.core import tensor_parallel
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -31,7 +32,10 @@ class PolicyTrainer:
         self.shape, self.algo, self.device = shape, algo, device
         # The engine samples from softmax(logits / T); recomputed log-probs must use the same distribution.
         self.temperature = temperature if temperature > 0 else 1.0
-        self.config = transformer_config(shape, tp=tp)
+        # bf16 (CUDA only): bf16 weights and activations; DDP keeps fp32 main grads (grad_reduce_in_fp32) and the
+        # mixed-precision optimizer fp32 master weights and Adam state. On CPU the flag is ignored (fp32 throughout).
+        self.bf16 = bf16 and device.type == "cuda"
+        self.config = transformer_config(shape, tp=tp, bf16=self.bf16)
         # Same seed on every rank and cell: identical initial weights everywhere, whatever the parallel layout
         # (CPU initialisation builds the full weight and slices it per TP rank).
         torch.manual_seed(init_seed)
@@ -53,8 +57,8 @@ class PolicyTrainer:
                 adam_beta1=algo.adam_beta1,
                 adam_beta2=algo.adam_beta2,
                 clip_grad=algo.grad_clip,
-                bf16=False,
-                params_dtype=torch.float32,
+                bf16=self.bf16,
+                params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
             ),
             [self.model],
         )

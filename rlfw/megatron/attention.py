@@ -1,0 +1,292 @@
+"""Core attention for Megatron's *local* layer spec through ``torch.nn.functional.scaled_dot_product_attention``.
+
+Megatron's own ``DotProductAttention`` materialises the whole ``[b, heads, s, s]`` score matrix (and its fp32
+softmax) in every layer; ``SDPAttention`` is a drop-in replacement (same constructor and ``forward`` arguments as
+``DotProductAttention`` in megatron-core 0.16.1 and 0.19.x, no parameters, same state dict) that lets PyTorch pick a
+fused kernel (flash / memory-efficient on CUDA).
+
+Inputs are what Megatron's ``SelfAttention`` passes to core attention: ``query`` ``[sq, b, np, hn]``, ``key`` and
+``value`` ``[sk, b, ng, hn]`` (``ng`` query groups, GQA when ``ng < np``), an optional boolean ``attention_mask``
+(True = masked, broadcastable to ``[b, 1, sq, sk]``), ``attn_mask_type`` and, for THD packing, ``packed_seq_params``
+(then ``query`` is ``[t, np, hn]``). The output is ``[sq, b, np * hn]`` (``[t, np * hn]`` for THD), as Megatron's.
+
+Masks follow Megatron's unfused path exactly: a given mask is the whole truth (the mask type only matters when no
+mask is given). rlfw's packed rows carry a block-diagonal causal mask; it is recognised (once per mask tensor, shared
+by all layers) and turned into per-sequence boundaries, so each packed sequence runs causal attention on its own:
+through ``torch.nn.attention.varlen.varlen_attn`` (flash, variable length) on CUDA in bf16/fp16, else one causal SDPA
+call per sequence. Any other mask goes to SDPA as an explicit boolean mask (SDPA's convention is the opposite:
+True = attend). Rows whose mask hides every key are not supported (SDPA returns NaN there; Megatron a uniform mix).
+
+``PACKED_IMPL`` (environment ``RLFW_SDPA_PACKED``) forces the packed-row path: ``auto`` (varlen where usable, else
+per sequence), ``varlen``, ``loop`` (per-sequence SDPA) or ``mask`` (one SDPA call with the explicit mask).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import weakref
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+PACKED_IMPL = os.environ.get("RLFW_SDPA_PACKED", "auto")
+
+_CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+# --------------------------------------------------------------------------------------------- varlen (flash)
+_VARLEN = None  # (function, parameter names) once looked up; False when unavailable
+
+
+def _varlen_attn():
+    global _VARLEN
+    if _VARLEN is None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+
+            params = set(inspect.signature(varlen_attn).parameters)
+            _VARLEN = (varlen_attn, params) if ("is_causal" in params or "window_size" in params) else False
+        except (ImportError, AttributeError, TypeError, ValueError):
+            _VARLEN = False
+    return _VARLEN
+
+
+def varlen_usable(query: Tensor, dropout_p: float) -> bool:
+    """Whether the flash varlen kernel can run these inputs (CUDA, half precision, no dropout)."""
+    return (
+        bool(_varlen_attn())
+        and query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and dropout_p == 0.0
+        and query.size(-1) % 8 == 0
+        and query.size(-1) <= 256
+    )
+
+
+def _run_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                causal: bool, scale: float) -> Tensor:
+    """Flash attention over packed ``[t, heads, dim]`` tensors; works across torch's varlen API revisions."""
+    fn, params = _varlen_attn()
+    kwargs = {}
+    if "is_causal" in params:
+        kwargs["is_causal"] = causal
+    else:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif not math.isclose(scale, 1.0 / math.sqrt(q.size(-1)), rel_tol=1e-12):
+        q = q * (scale * math.sqrt(q.size(-1)))  # the kernel's default scale is 1/sqrt(dim)
+    if k.size(1) != q.size(1):
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = _repeat_kv(k, q.size(1), dim=1), _repeat_kv(v, q.size(1), dim=1)
+    out = fn(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _repeat_kv(x: Tensor, heads: int, dim: int) -> Tensor:
+    groups = x.size(dim)
+    return x if groups == heads else x.repeat_interleave(heads // groups, dim=dim)
+
+
+# ----------------------------------------------------------------------------------- packed-row recognition
+_SEGMENTS: dict = {}  # id(mask) -> (weakref(mask), mask._version, segments); a handful of recent masks
+
+
+def block_causal_segments(mask: Tensor) -> Optional[List[List[int]]]:
+    """Per batch row of ``mask`` (bool ``[mb, 1, T, T]``, True = masked), the lengths of the sequences packed back to
+    back, if the mask is exactly block-diagonal causal; None otherwise. Cached per mask tensor (all layers of one
+    forward share it), so the check and its host sync happen once per micro-batch."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.size(1) != 1 or mask.size(2) != mask.size(3):
+        return None
+    entry = _SEGMENTS.get(id(mask))
+    if entry is not None and entry[0]() is mask and entry[1] == mask._version:
+        return entry[2]
+    segments = _find_segments(mask)
+    if len(_SEGMENTS) >= 8:
+        _SEGMENTS.clear()
+    _SEGMENTS[id(mask)] = (weakref.ref(mask), mask._version, segments)
+    return segments
+
+
+@torch.no_grad()
+def _find_segments(mask: Tensor) -> Optional[List[List[int]]]:
+    T = mask.size(-1)
+    allowed = ~mask[:, 0]  # [mb, T, T]
+    # Row i of a block-diagonal causal mask allows exactly the columns start(i)..i; start(i) = first allowed column.
+    start = allowed.to(torch.uint8).argmax(dim=-1)  # [mb, T] (first maximum)
+    positions = torch.arange(T, device=mask.device)
+    is_start = start == positions
+    seq_id = is_start.long().cumsum(dim=-1) - 1
+    expected = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril() & (
+        seq_id[:, :, None] == seq_id[:, None, :]
+    )
+    if not bool(is_start[:, 0].all()) or not torch.equal(expected, allowed):
+        return None
+    segments = []
+    for row in is_start.cpu():
+        starts = row.nonzero().flatten().tolist() + [T]
+        segments.append([b - a for a, b in zip(starts[:-1], starts[1:])])
+    return segments
+
+
+# ----------------------------------------------------------------------------------------------- the module
+class SDPAttention(MegatronModule):
+    """Drop-in ``core_attention`` for ``get_gpt_layer_local_spec`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        **_unused,
+    ):
+        super().__init__(config=config)
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise NotImplementedError("SDPAttention does not support context parallelism")
+        if getattr(config, "window_size", None) is not None:
+            raise NotImplementedError("SDPAttention does not support sliding-window attention")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise NotImplementedError("SDPAttention supports only the vanilla softmax")
+        if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
+            raise NotImplementedError("SDPAttention does not track attention logits (qk_clip)")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        head_dim = config.kv_channels
+        # apply_query_key_layer_scaling divides the scores by layer_number and the fp32 softmax multiplies them
+        # back: the identity, so the plain scale is the same function.
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.current_max_attn_logits = None  # read by Attention only with qk_clip, which is refused above
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+        **extra,
+    ) -> Tensor:
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention does not support an attention bias")
+        if any(v is not None for v in extra.values()):
+            raise NotImplementedError(f"SDPAttention got unsupported arguments: {sorted(extra)}")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return self._attend(query, key, value, attention_mask, mask_type, packed_seq_params, dropout_p)
+        return self._attend(query, key, value, attention_mask, mask_type, packed_seq_params, dropout_p)
+
+    # ------------------------------------------------------------------------------------------------ paths
+    def _attend(self, query, key, value, attention_mask, mask_type, packed_seq_params, dropout_p) -> Tensor:
+        if packed_seq_params is not None:
+            return self._thd(query, key, value, mask_type, packed_seq_params, dropout_p)
+        sq, b, np_, hn = query.shape
+        sk = key.size(0)
+        if attention_mask is None:
+            causal = mask_type in _CAUSAL_TYPES and sq > 1
+            if causal and sq != sk:  # queries are the last sq of sk positions (bottom-right aligned)
+                keep = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(diagonal=sk - sq)
+                return self._sdpa(query, key, value, keep, False, dropout_p)
+            return self._sdpa(query, key, value, None, causal, dropout_p)
+        segments = None
+        if PACKED_IMPL != "mask" and sq == sk and attention_mask.size(0) in (1, b):
+            segments = block_causal_segments(attention_mask)
+        if segments is None:
+            return self._sdpa(query, key, value, ~attention_mask, False, dropout_p)
+        if attention_mask.size(0) == 1 and b > 1:
+            segments = segments * b
+        return self._packed(query, key, value, segments, dropout_p)
+
+    def _sdpa(self, query, key, value, keep: Optional[Tensor], is_causal: bool, dropout_p: float) -> Tensor:
+        """One SDPA call on ``[s, b, h, d]`` inputs; ``keep`` is a bool mask with True = attend."""
+        sq, b, np_, hn = query.shape
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
+        kwargs = {}
+        if k.size(1) != np_:
+            if keep is None and q.is_cuda:  # the flash kernel takes grouped K/V as they are
+                kwargs["enable_gqa"] = True
+            else:  # an explicit mask goes to kernels (memory-efficient, CPU) that want matching heads
+                k, v = _repeat_kv(k, np_, dim=1), _repeat_kv(v, np_, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale, **kwargs
+        )  # [b, h, sq, d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+    def _packed(self, query, key, value, segments: List[List[int]], dropout_p: float) -> Tensor:
+        """Causal attention within each packed sequence; ``segments[r]`` are batch row r's sequence lengths."""
+        sq, b, np_, hn = query.shape
+        lengths = [n for row in segments for n in row]
+        if b == 1:
+            q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [T, h, d]
+        else:  # rows one after another: [b * T, h, d]
+            q, k, v = (x.transpose(0, 1).reshape(b * sq, x.size(2), hn) for x in (query, key, value))
+        use_varlen = PACKED_IMPL == "varlen" or (PACKED_IMPL == "auto" and varlen_usable(q, dropout_p))
+        if use_varlen:
+            cu, longest = segments_to_cu_seqlens(lengths, q.device)
+            out = _run_varlen(q, k, v, cu, cu, longest, longest, True, self.softmax_scale)  # [t, h, d]
+        else:
+            outs, offset = [], 0
+            for n in lengths:
+                s = slice(offset, offset + n)
+                outs.append(self._sdpa(q[s].unsqueeze(1), k[s].unsqueeze(1), v[s].unsqueeze(1), None, n > 1,
+                                       dropout_p))  # [n, 1, h*d]
+                offset += n
+            out = torch.cat(outs, dim=0)
+        if b == 1:
+            return out.reshape(sq, 1, np_ * hn)
+        return out.reshape(b, sq, np_ * hn).transpose(0, 1).contiguous()
+
+    def _thd(self, query, key, value, mask_type, params, dropout_p) -> Tensor:
+        """THD packing (``query`` ``[t, np, hn]``) with cumulative sequence lengths from ``packed_seq_params``."""
+        if getattr(params, "qkv_format", "thd") != "thd":
+            raise NotImplementedError(f"SDPAttention: packed_seq_params with qkv_format={params.qkv_format!r}")
+        for padded, plain in (("cu_seqlens_q_padded", "cu_seqlens_q"), ("cu_seqlens_kv_padded", "cu_seqlens_kv")):
+            p = getattr(params, padded, None)
+            if p is not None and not torch.equal(p, getattr(params, plain)):
+                raise NotImplementedError("SDPAttention: padded THD sequences are not supported")
+        causal = mask_type in _CAUSAL_TYPES
+        cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_kv
+        t, np_, hn = query.shape
+        if varlen_usable(query, dropout_p) and PACKED_IMPL in ("auto", "varlen"):
+            max_q = params.max_seqlen_q or int((cu_q[1:] - cu_q[:-1]).max())
+            max_k = params.max_seqlen_kv or int((cu_k[1:] - cu_k[:-1]).max())
+            out = _run_varlen(query, key, value, cu_q.int(), cu_k.int(), int(max_q), int(max_k), causal,
+                              self.softmax_scale)
+            return out.reshape(t, np_ * hn)
+        bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+        outs = []
+        for (q0, q1), (k0, k1) in zip(zip(bounds_q[:-1], bounds_q[1:]), zip(bounds_k[:-1], bounds_k[1:])):
+            q, k, v = query[q0:q1].unsqueeze(1), key[k0:k1].unsqueeze(1), value[k0:k1].unsqueeze(1)
+            n_q, n_k = q1 - q0, k1 - k0
+            if causal and n_q != n_k:
+                keep = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril(diagonal=n_k - n_q)
+                outs.append(self._sdpa(q, k, v, keep, False, dropout_p))
+            else:
+                outs.append(self._sdpa(q, k, v, None, causal and n_q > 1, dropout_p))
+        return torch.cat(outs, dim=0).reshape(t, np_ * hn)
+
+
+def segments_to_cu_seqlens(lengths: List[int], device=None) -> Tuple[Tensor, int]:
+    """Cumulative sequence offsets (int32) and the longest length, as THD packing and varlen kernels take them."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return cu.to(device) if device is not None else cu, max(lengths)

@@ -1,0 +1,162 @@
+"""SDPAttention computes what Megatron's unfused DotProductAttention computes (CPU, fp32).
+
+Same weights, two GPTModels that differ only in their core attention: logits (and gradients) agree within 1e-5 on
+packed rows with rlfw's block-diagonal causal mask, with GQA and without, and on other masks; the packed-row paths
+(per-sequence SDPA, one masked SDPA call, THD cu_seqlens) agree with each other.
+"""
+
+import pytest
+import torch
+
+from rlfw.megatron.model import ModelShape
+
+GQA = ModelShape(
+    num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vocab_size=16,
+    max_seq_len=64,
+)
+MHA = ModelShape(
+    num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=64, vocab_size=16,
+    max_seq_len=64,
+)
+ATOL = 1e-5
+
+
+def build_pair(shape):
+    from rlfw.megatron.model import build_gpt, transformer_config
+
+    config = transformer_config(shape)
+    torch.manual_seed(0)
+    reference = build_gpt(shape, config, core_attention="megatron").eval()
+    sdpa = build_gpt(shape, config, core_attention="sdpa").eval()
+    sdpa.load_state_dict(reference.state_dict())
+    return reference, sdpa
+
+
+def packed_row(lengths, vocab, seed=0):
+    """Tokens, restarting positions and the block-diagonal causal mask (True = masked) of one packed row."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    tokens = torch.randint(0, vocab, (1, T), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    seq_id = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    allowed = torch.ones(T, T, dtype=torch.bool).tril() & (seq_id[:, None] == seq_id[None, :])
+    return tokens, positions, (~allowed).view(1, 1, T, T)
+
+
+def assert_close(a, b, atol=ATOL):
+    assert a.shape == b.shape
+    diff = (a - b).abs().max().item()
+    assert diff <= atol, f"max |diff| {diff:.3g} > {atol}"
+
+
+def test_core_attention_choice(megatron_world):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from rlfw.megatron.attention import SDPAttention
+    from rlfw.megatron.model import layer_spec
+
+    def core(spec):
+        return spec.submodules.self_attention.submodules.core_attention
+
+    assert core(layer_spec(GQA, "megatron")) is DotProductAttention
+    assert core(layer_spec(GQA, "sdpa")) is SDPAttention
+    if not torch.cuda.is_available():  # the CPU default is unchanged
+        assert core(layer_spec(GQA)) is DotProductAttention
+    with pytest.raises(ValueError):
+        layer_spec(GQA, "flash")
+
+
+@pytest.mark.parametrize("shape", [GQA, MHA], ids=["gqa", "mha"])
+@pytest.mark.parametrize("impl", ["auto", "loop", "mask"])
+def test_packed_row_logits_and_grads(megatron_world, shape, impl, monkeypatch):
+    from rlfw.megatron import attention
+
+    monkeypatch.setattr(attention, "PACKED_IMPL", impl)
+    reference, sdpa = build_pair(shape)
+    tokens, positions, mask = packed_row([7, 1, 12, 3, 9], shape.vocab_size)
+    outs = []
+    for model in (reference, sdpa):
+        model.zero_grad()
+        logits = model(tokens, positions, mask)
+        (logits.float() ** 2).mean().backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        outs.append((logits.detach(), grads))
+    (ref_logits, ref_grads), (sdpa_logits, sdpa_grads) = outs
+    assert_close(sdpa_logits, ref_logits)
+    assert ref_grads.keys() == sdpa_grads.keys()
+    for k in ref_grads:
+        assert_close(sdpa_grads[k], ref_grads[k])
+
+
+@pytest.mark.parametrize("shape", [GQA, MHA], ids=["gqa", "mha"])
+def test_causal_without_mask(megatron_world, shape):
+    """No mask + causal mask type (SDPA's is_causal) equals Megatron given the explicit causal mask."""
+    reference, sdpa = build_pair(shape)
+    tokens, positions, mask = packed_row([24], shape.vocab_size, seed=1)
+    with torch.no_grad():
+        assert_close(sdpa(tokens, positions, None), reference(tokens, positions, mask))
+
+
+def test_arbitrary_mask_goes_to_sdpa(megatron_world):
+    """A mask that is not block-diagonal causal is passed to SDPA as is (inverted: True = attend there)."""
+    from rlfw.megatron.attention import block_causal_segments
+
+    reference, sdpa = build_pair(GQA)
+    tokens, positions, _ = packed_row([20], GQA.vocab_size, seed=2)
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(20, 20, generator=g) < 0.4
+    mask.fill_diagonal_(False)  # every query keeps at least itself
+    mask = mask.view(1, 1, 20, 20)
+    assert block_causal_segments(mask) is None
+    with torch.no_grad():
+        assert_close(sdpa(tokens, positions, mask), reference(tokens, positions, mask))
+
+
+def test_batch_of_two_rows(megatron_world):
+    """b = 2 with a per-row mask [2, 1, T, T]: rows with different packings."""
+    reference, sdpa = build_pair(GQA)
+    t1, p1, m1 = packed_row([5, 11], GQA.vocab_size, seed=4)
+    t2, p2, m2 = packed_row([3, 3, 10], GQA.vocab_size, seed=5)
+    tokens, positions, mask = torch.cat([t1, t2]), torch.cat([p1, p2]), torch.cat([m1, m2])
+    with torch.no_grad():
+        assert_close(sdpa(tokens, positions, mask), reference(tokens, positions, mask))
+
+
+def test_segments_recognised_and_cached(megatron_world):
+    from rlfw.megatron.attention import block_causal_segments
+
+    _, _, mask = packed_row([4, 1, 6], 16)
+    assert block_causal_segments(mask) == [[4, 1, 6]]
+    assert block_causal_segments(mask) == [[4, 1, 6]]  # cached
+    mask[0, 0, 8, 6] = True  # an in-place change bumps the version: recomputed, no longer block-diagonal causal
+    assert block_causal_segments(mask) is None
+    causal = ~torch.ones(9, 9, dtype=torch.bool).tril().view(1, 1, 9, 9)
+    assert block_causal_segments(causal) == [[9]]
+    full = torch.zeros(1, 1, 9, 9, dtype=torch.bool)  # bidirectional: not causal
+    assert block_causal_segments(full) is None
+
+
+def test_thd_packed_seq_params_matches_block_mask(megatron_world):
+    """THD input ([t, heads, dim] + cu_seqlens) gives the same output as the [s, 1, ...] row with the block mask."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from rlfw.megatron.attention import SDPAttention, segments_to_cu_seqlens
+    from rlfw.megatron.model import transformer_config
+
+    config = transformer_config(GQA)
+    module = SDPAttention(config, 1, AttnMaskType.causal, "self")
+    lengths = [6, 2, 9]
+    T = sum(lengths)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(T, 1, 4, 8, generator=g)
+    k, v = torch.randn(T, 1, 2, 8, generator=g), torch.randn(T, 1, 2, 8, generator=g)
+    _, _, mask = packed_row(lengths, 16)
+    row = module(q, k, v, mask)
+    cu, longest = segments_to_cu_seqlens(lengths)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)
+    thd = module(q[:, 0], k[:, 0], v[:, 0], None, attn_mask_type=AttnMaskType.padding_causal,
+                 packed_seq_params=params)
+    assert thd.shape == (T, 32)
+    assert_close(thd, row[:, 0])
