@@ -199,7 +199,7 @@ class SDPAttention(MegatronModule):
     def _attend(self, query, key, value, attention_mask, mask_type, packed_seq_params, dropout_p) -> Tensor:
         if packed_seq_params is not None:
             return self._thd(query, key, value, mask_type, packed_seq_params, dropout_p)
-        sq, b, np_, hn = query.shape
+        sq, b = query.shape[:2]
         sk = key.size(0)
         if attention_mask is None:
             causal = mask_type in _CAUSAL_TYPES and sq > 1
