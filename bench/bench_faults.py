@@ -30,6 +30,18 @@ def kill_schedule(steps: int, every: int) -> str:
     return "[" + ", ".join(kills) + "]"
 
 
+def detection_times(run) -> list:
+    """Seconds from each kill (the fault marker's timestamp) to the driver failing that cell."""
+    kills = [json.loads(p.read_text()) for p in sorted((run["run_dir"] / "faults").glob("kill_*"))]
+    failed = [e for e in run["events"] if e["kind"] == "cell_failed"]
+    times = []
+    for kill in kills:
+        match = [e for e in failed if e["cell"] == kill["cell"] and e["incarnation"] == kill["incarnation"]]
+        if match:
+            times.append(match[0]["detected_at"] - kill["time"])
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
@@ -64,7 +76,7 @@ def main() -> None:
         "failures": len(failures),
         "samples lost": expected - samples,
         "lost s/failure": lost_per_failure,
-        "detect s (median)": statistics.median(e["detect_time"] for e in failures) if failures else float("nan"),
+        "detect s (median)": statistics.median(detection_times(faulty)) if failures else float("nan"),
         "heal s (median)": statistics.median(e["heal_time"] for e in heals) if heals else float("nan"),
         "goodput cells (samples/s)": goodput_cells,
         "goodput ckpt-restart (samples/s)": goodput_restart,

@@ -307,11 +307,13 @@ def device_busy_s(fn) -> tuple[float, float]:
 
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(torch.device("cuda" if cuda else "cpu"))
+    with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync(torch.device("cuda" if cuda else "cpu"))
         wall = time.perf_counter() - t0
     text = prof.key_averages().table(row_limit=1)
     match = re.search(r"Self (?:CUDA|device) time total: ([\d.]+)(us|ms|s)", text)
@@ -607,7 +609,7 @@ def main() -> None:
                 log(f"logprobs packed: {lp_s * 1e3:.1f} ms")
             except Exception as exc:  # noqa: BLE001
                 log(f"logprobs FAILED: {exc!r}")
-        if attention == "sdpa" and "diag" not in skip and not dry:
+        if attention == "sdpa" and "diag" not in skip:
             diagnose(trainer, shape, batches, {"packed": packed, "single": single}, rows, seq, device, rate)
         if attention == "sdpa" and "profile" not in skip:
             profile_step(trainer, batches["packed"], device)

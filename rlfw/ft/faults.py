@@ -7,9 +7,11 @@ creates a marker file in the run directory (an atomic O_EXCL create) and then di
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import time
 from pathlib import Path
 from typing import List
 
@@ -64,7 +66,8 @@ class FaultInjector:
             fd = os.open(self.marker_dir / f"kill_{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
-        os.write(fd, f"cell={self.cell} incarnation={self.incarnation} pid={os.getpid()}\n".encode())
+        record = {"cell": self.cell, "incarnation": self.incarnation, "pid": os.getpid(), "time": time.time()}
+        os.write(fd, (json.dumps(record) + "\n").encode())
         os.close(fd)
         return True
 

@@ -118,13 +118,14 @@ class CellGroup:
             self._fail(cell, f"set-up failed: {e}")
             return False
 
-    def _fail(self, cell: Cell, reason: str, phase: str = "unknown", detect_time: float = 0.0) -> None:
+    def _fail(self, cell: Cell, reason: str, phase: str = "unknown", call_elapsed_s: float = 0.0) -> None:
         if cell.state is CellState.ERRORED:
             return
         self.failures += 1
         log.warning("cell %d failed in %s: %s", cell.id, phase, reason.splitlines()[0] if reason else "")
         cell.fail(reason)
-        self._event("cell_failed", cell=cell.id, phase=phase, reason=reason[:300], detect_time=detect_time)
+        self._event("cell_failed", cell=cell.id, incarnation=cell.incarnation, phase=phase, reason=reason[:300],
+                    detected_at=time.time(), call_elapsed_s=call_elapsed_s)
         if self.cfg.ft.replace_failed:
             replacement = self._start_cell(cell.id, incarnation=cell.incarnation + 1)
             self._event("cell_replacement_started", cell=cell.id, incarnation=replacement.incarnation)
@@ -177,12 +178,11 @@ class CellGroup:
         pending = {}
         for cell_id, make_refs in calls.items():
             pending[cell_id] = make_refs(self.cells[cell_id])
-        started = time.monotonic()
+        started = time.monotonic()  # failures report how far into the call they were noticed
         results: Dict[int, Any] = {}
         grace_deadline = None
         while pending:
-            refs = [r for rs in pending.values() for r in rs]
-            ready, _ = ray.wait(refs, num_returns=1, timeout=0.05)
+            ray.wait([r for rs in pending.values() for r in rs], num_returns=1, timeout=0.05)  # until progress
             for cell_id, rs in list(pending.items()):
                 done, _ = ray.wait(rs, num_returns=len(rs), timeout=0)
                 failed = None
@@ -199,18 +199,17 @@ class CellGroup:
                         break
                 if failed is not None:
                     del pending[cell_id]
-                    self._fail(self.cells[cell_id], failed, phase, detect_time=time.monotonic() - started)
+                    self._fail(self.cells[cell_id], failed, phase, call_elapsed_s=time.monotonic() - started)
                 elif len(done) == len(rs):
                     results[cell_id] = ray.get(rs[0])
                     del pending[cell_id]
             if pending and results and grace_deadline is None:
                 grace_deadline = time.monotonic() + self.cfg.ft.heartbeat_timeout_s + self.cfg.ft.join_timeout_s
-            if pending and grace_deadline is not None and time.monotonic() > grace_deadline and \
-                    all(len(ray.wait(rs, num_returns=len(rs), timeout=0)[0]) == 0 for rs in pending.values()):
+            if pending and grace_deadline is not None and time.monotonic() > grace_deadline:
                 for cell_id in list(pending):
                     del pending[cell_id]
                     self._fail(self.cells[cell_id], "no answer after its peers finished (hung or partitioned)",
-                               phase, detect_time=time.monotonic() - started)
+                               phase, call_elapsed_s=time.monotonic() - started)
         return results
 
     def _await_replacements(self) -> None:
