@@ -301,7 +301,7 @@ def profile_step(trainer, batch, device) -> None:
         log(f"profile FAILED: {exc!r}")
 
 
-def device_busy_s(fn) -> tuple[float, float]:
+def device_busy_s(fn, table_to: str | None = None) -> tuple[float, float]:
     """(wall seconds, seconds the device spent in kernels and copies) of ``fn()`` under torch.profiler."""
     import re
 
@@ -316,6 +316,9 @@ def device_busy_s(fn) -> tuple[float, float]:
         sync(torch.device("cuda" if cuda else "cpu"))
         wall = time.perf_counter() - t0
     text = prof.key_averages().table(row_limit=1)
+    if table_to and OUT_DIR is not None and cuda:
+        (OUT_DIR / table_to).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40,
+                                                                  max_name_column_width=70))
     match = re.search(r"Self (?:CUDA|device) time total: ([\d.]+)(us|ms|s)", text)
     if not match:
         return wall, float("nan")
@@ -373,10 +376,7 @@ def diagnose(trainer, shape, batches, lengths_of, rows, seq, device, rate) -> No
                 summarise(f"diag rlfw fwd+bwd {data} ({label})", shape, lengths_of[data], timings, rate,
                           {"what": "diag", "profiled_wall_s": wall, "device_busy_s": busy})
                 policy.microbatches = original_microbatches
-        wall, busy = device_busy_s(lambda: bare_megatron(trainer, shape, rows, seq, device, "sdpa"))
-        record(kind="diag", name="bare megatron (3 runs incl. warm-up) under profiler", wall_s=wall,
-               device_busy_s=busy)
-        wall, busy = device_busy_s(lambda: train_step(trainer, batches["packed"], device))
+        wall, busy = device_busy_s(lambda: train_step(trainer, batches["packed"], device), "profile_step_packed.txt")
         record(kind="diag", name="rlfw step packed under profiler", wall_s=wall, device_busy_s=busy)
         for r in RESULTS[-8:]:
             log(f"diag: {r}")
@@ -466,6 +466,55 @@ def check_attention(shape, device) -> None:
     free()
 
 
+def varlen_gqa_check(device) -> bool:
+    """Grouped K/V straight into torch's varlen flash kernel vs K/V repeated to all heads: same outputs and grads?
+    Also times both (fwd + bwd, 28 calls = one model's layers)."""
+    from rlfw.megatron import attention as sdpa_module
+
+    if not sdpa_module.varlen_usable(torch.empty(0, device=device, dtype=torch.bfloat16), 0.0):
+        return False
+    lengths = [1000, 37, 2048, 1011]
+    cu, longest = sdpa_module.segments_to_cu_seqlens(lengths, device)
+    T, scale = sum(lengths), 1.0 / math.sqrt(128)
+    g = torch.Generator(device=device).manual_seed(0)
+    q0 = torch.randn(T, 12, 128, device=device, dtype=torch.bfloat16, generator=g)
+    k0, v0 = (torch.randn(T, 2, 128, device=device, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    dout = torch.randn(T, 12, 128, device=device, dtype=torch.bfloat16, generator=g)
+
+    def run(mode):
+        sdpa_module.VARLEN_GQA = mode
+        q, k, v = (x.clone().requires_grad_(True) for x in (q0, k0, v0))
+        out = sdpa_module._run_varlen(q, k, v, cu, cu, longest, longest, True, scale)
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    ok, previous = False, sdpa_module.VARLEN_GQA
+    try:
+        ref = run("repeat")
+        got = run("native")
+        errs = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref)]
+        ok = max(errs) < 1e-2
+        timings = {}
+        for mode in ("repeat", "native"):
+            for _ in range(3):
+                run(mode)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(28):
+                run(mode)
+            torch.cuda.synchronize()
+            timings[mode] = (time.perf_counter() - t0) / 28
+        record(kind="check", name="varlen native GQA vs repeat", rel_err_out_dq_dk_dv=errs, ok=ok,
+               fwd_bwd_ms={k: v * 1e3 for k, v in timings.items()})
+        log(f"varlen GQA native vs repeat: rel errs {errs}, per-layer fwd+bwd ms {timings}")
+    except Exception as exc:  # noqa: BLE001
+        record(kind="check", name="varlen native GQA vs repeat", error=repr(exc))
+        log(f"varlen native GQA FAILED: {exc!r}")
+    finally:
+        sdpa_module.VARLEN_GQA = previous
+    return ok
+
+
 # ------------------------------------------------------------------------------------------------------ main
 def main() -> None:
     global OUT_DIR
@@ -514,6 +563,7 @@ def main() -> None:
     init_world(device)
     if "check" not in skip:
         check_attention(shape, device)
+    native_gqa_ok = (not dry) and "gqa" not in skip and varlen_gqa_check(device)
 
     rng = random.Random(0)
     packed = packed_lengths(rng, rows, seq, lo=max(16, seq // 32), hi=seq // 2)
@@ -598,6 +648,12 @@ def main() -> None:
                         torch.empty(0, device=device, dtype=torch.bfloat16), 0.0)):
                     continue
                 fb_runs(trainer, f"sdpa[{impl}] fwd+bwd packed", "packed", attention, impl)
+            previous = sdpa_module.VARLEN_GQA
+            sdpa_module.VARLEN_GQA = "native" if previous == "repeat" else "repeat"
+            if not dry and (sdpa_module.VARLEN_GQA == "repeat" or native_gqa_ok):
+                fb_runs(trainer, f"sdpa[varlen, {sdpa_module.VARLEN_GQA} GQA] fwd+bwd packed", "packed", attention,
+                        "varlen")
+            sdpa_module.VARLEN_GQA = previous
             try:
                 sync(device)
                 t0 = time.perf_counter()
@@ -656,9 +712,11 @@ def print_table(rate) -> None:
     if rate:
         print(f"bf16 matmul (8192^3, random): {rate / 1e12:.1f} TFLOP/s")
     for r in RESULTS:
-        if r.get("kind") == "check":
-            print(f"check {r['name']}: " + (f"logits rel err {r['logits_rel_err']:.2e}, qkv grad rel err "
-                                           f"{r['qkv_grad_rel_err']:.2e}" if "error" not in r else r["error"]))
+        if r.get("kind") == "check" and "logits_rel_err" in r:
+            print(f"check {r['name']}: logits rel err {r['logits_rel_err']:.2e}, qkv grad rel err "
+                  f"{r['qkv_grad_rel_err']:.2e}")
+        elif r.get("kind") in ("check", "diag"):
+            print(f"{r['kind']} {r['name']}: " + ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("kind", "name")))
         if r.get("kind") == "timing" and "error" in r:
             print(f"FAILED {r['name']}: {r['error']}")
     print(table(["run", "tokens", "ms", "fwd+bwd ms", "optim ms", "tok/s", "TFLOP/s", "%mm", "%mm causal",

@@ -101,7 +101,7 @@ def build_gpt(shape: ModelShape, config, core_attention: str = "auto") -> torch.
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(shape, core_attention),
         vocab_size=shape.vocab_size,
@@ -113,3 +113,11 @@ def build_gpt(shape: ModelShape, config, core_attention: str = "auto") -> torch.
         position_embedding_type="rope",
         rotary_base=int(shape.rope_theta),
     )
+    if config.params_dtype != torch.float32:
+        # The local spec's torch norms (WrappedTorchNorm) ignore params_dtype and keep fp32 weights; with bf16
+        # activations torch.rms_norm then falls back to its unfused composite ("Mismatch dtype between input and
+        # weight"). The optimizer keeps fp32 master copies of these weights like of every other bf16 weight.
+        for module in model.modules():
+            if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+                module.to(dtype=config.params_dtype)
+    return model

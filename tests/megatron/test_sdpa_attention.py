@@ -94,7 +94,9 @@ def test_causal_without_mask(megatron_world, shape):
     reference, sdpa = build_pair(shape)
     tokens, positions, mask = packed_row([24], shape.vocab_size, seed=1)
     with torch.no_grad():
-        assert_close(sdpa(tokens, positions, None), reference(tokens, positions, mask))
+        expected = reference(tokens, positions, mask)
+        assert_close(sdpa(tokens, positions, None), expected)
+        assert_close(sdpa(tokens, positions, mask), expected)  # a one-sequence row: recognised as plain causal
 
 
 def test_arbitrary_mask_goes_to_sdpa(megatron_world):
@@ -160,3 +162,13 @@ def test_thd_packed_seq_params_matches_block_mask(megatron_world):
                  packed_seq_params=params)
     assert thd.shape == (T, 32)
     assert_close(thd, row[:, 0])
+
+
+def test_bf16_model_keeps_norm_weights_in_bf16(megatron_world):
+    """Megatron's local norms would stay fp32 (torch.rms_norm then cannot fuse with bf16 activations)."""
+    from rlfw.megatron.model import build_gpt, transformer_config
+
+    model = build_gpt(GQA, transformer_config(GQA, bf16=True), core_attention="sdpa")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    fp32 = build_gpt(GQA, transformer_config(GQA), core_attention="sdpa")
+    assert {p.dtype for p in fp32.parameters()} == {torch.float32}
