@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from typing import Dict
 
 import ray
@@ -23,6 +24,17 @@ def worker_env(host: str, torch_threads: int) -> Dict[str, str]:
     return env
 
 
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail at once, naming the address, instead of letting Ray retry an unreachable GCS for minutes."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"cluster.address={address!r} is not host:port (or 'auto')")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"cluster.address={address} is unreachable: {e}") from None
+
+
 def start_ray(cluster) -> None:
     """``ray.init`` on ``cluster.host`` (or join ``cluster.address``), with rlfw's worker environment."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -34,6 +46,8 @@ def start_ray(cluster) -> None:
         configure_logging=False,
     )
     if cluster.address:
+        if cluster.address != "auto":
+            check_reachable(cluster.address)
         ray.init(address=cluster.address, **kwargs)
     else:
         ray.init(num_cpus=cluster.num_cpus, _node_ip_address=cluster.host, **kwargs)

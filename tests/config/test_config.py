@@ -87,3 +87,17 @@ def test_bad_values_name_the_key(override, key):
 def test_too_many_ranks_for_the_gpus():
     with pytest.raises(ConfigError, match="dp.num_cells=4 x dp.tp=2"):
         validate(load("dp=cells", "dp.num_cells=4", "dp.tp=2"), num_devices=4)
+
+
+def test_unreachable_cluster_address_fails_at_once():
+    import socket
+
+    from rlfw.cluster.ray_cluster import check_reachable
+
+    with socket.socket() as s:  # a port nobody listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with pytest.raises(ConnectionError, match=f"cluster.address=127.0.0.1:{port} is unreachable"):
+            check_reachable(f"127.0.0.1:{port}")
+    with pytest.raises(ValueError, match="not host:port"):
+        check_reachable("nonsense")
