@@ -10,6 +10,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -75,7 +76,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float:
-    run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(cfg.run_dir or hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN and cfg.logger.wandb_group is None:
+        cfg.logger.wandb_group = Path(hydra_cfg.sweep.dir).name  # one W&B group per sweep
     try:
         metrics = train(cfg, run_dir)
     except ConfigError as e:
