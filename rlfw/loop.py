@@ -52,6 +52,7 @@ def step_metrics(batch: RolloutBatch, results: Dict[int, List[Dict[str, Any]]], 
     for replica, steps in results.items():
         m[f"{prefix}/{replica}/num_samples"] = sum(s["num_samples"] for s in steps)
         m[f"{prefix}/{replica}/num_tokens"] = sum(s["num_tokens"] for s in steps)
+        m[f"{prefix}/{replica}/time_forward_backward"] = sum(s["time/forward_backward"] for s in steps)
         for s in steps:
             for k, v in s["sums"].items():
                 sums[k] = sums.get(k, 0.0) + v

@@ -63,3 +63,18 @@ def test_reward_gives_partial_credit():
     assert task.reward(prompt, [s1, eos]) == pytest.approx((1 - EOS_WEIGHT) / 3)  # missing positions score 0
     assert task.reward(prompt, [s3, s1, s2, s3]) == 0.0
     assert task.reward(prompt, []) == 0.0
+
+
+def test_long_tailed_lengths_stay_in_range_and_score_by_their_own_length():
+    import numpy as np
+
+    from rlfw.rollout.tasks.copy import CopyTask
+
+    task = CopyTask(num_symbols=8, length=20, min_length=2)
+    prompts = task.sample_prompts(500, np.random.default_rng(0))
+    lengths = [len(p.target) - 1 for p in prompts]
+    assert min(lengths) >= 2 and max(lengths) <= 20 and len(set(lengths)) > 5
+    assert sorted(lengths)[len(lengths) // 2] < 10  # long tail: most are short
+    short = next(p for p in prompts if len(p.target) - 1 == 2)
+    assert task.reward(short, short.target) == 1.0
+    assert task.reward(short, short.target[:1]) == (1 - 0.1) / 2

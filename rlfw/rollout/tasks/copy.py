@@ -26,12 +26,19 @@ EOS_WEIGHT = 0.1
 
 
 class CopyTask:
-    """Copy ``length`` random symbols out of ``num_symbols`` (named ``s0``, ``s1``, ...)."""
+    """Copy ``length`` random symbols out of ``num_symbols`` (named ``s0``, ``s1``, ...).
 
-    def __init__(self, num_symbols: int = 8, length: int = 3, seed: int = 0) -> None:
+    With ``min_length`` set, each prompt draws its own length from a long-tailed (geometric) distribution between
+    ``min_length`` and ``length``: the shape of real RL batches, where a few long samples dominate the work.
+    """
+
+    def __init__(self, num_symbols: int = 8, length: int = 3, seed: int = 0, min_length: int | None = None) -> None:
         if num_symbols < 1 or length < 1:
             raise ValueError(f"num_symbols and length must be >= 1, got {num_symbols} and {length}")
+        if min_length is not None and not 1 <= min_length <= length:
+            raise ValueError(f"min_length must be in [1, length={length}], got {min_length}")
         self.length = length
+        self.min_length = min_length
         self._tokenizer = build_tokenizer([f"s{i}" for i in range(num_symbols)])
         self._symbol_ids = np.asarray(self._tokenizer.convert_tokens_to_ids([f"s{i}" for i in range(num_symbols)]))
         self._bos_id, self._separator_id, self._eos_id = self._tokenizer.convert_tokens_to_ids([BOS, SEPARATOR, EOS])
@@ -52,6 +59,8 @@ class CopyTask:
         rng = self._rng if rng is None else rng
         prompts = []
         for symbols in rng.choice(self._symbol_ids, size=(n, self.length)).tolist():
+            if self.min_length is not None:
+                symbols = symbols[: min(self.length, self.min_length + int(rng.geometric(0.15)) - 1)]
             prompts.append(
                 Prompt(
                     prompt_id=next(self._next_prompt_id),
@@ -65,7 +74,8 @@ class CopyTask:
         """Partial credit in [0, 1]: ``1 - EOS_WEIGHT`` times the fraction of the L symbols copied at their position
         (positions the response does not reach score 0), plus ``EOS_WEIGHT`` if ``<eos>`` comes right after them.
         """
-        symbols = prompt.target[: self.length]
+        symbols = prompt.target[:-1]
+        length = len(symbols)
         copied = sum(answer == want for answer, want in zip(response_ids, symbols))
-        stops = len(response_ids) > self.length and response_ids[self.length] == self._eos_id
-        return (1 - EOS_WEIGHT) * copied / self.length + EOS_WEIGHT * stops
+        stops = len(response_ids) > length and response_ids[length] == self._eos_id
+        return (1 - EOS_WEIGHT) * copied / length + EOS_WEIGHT * stops
