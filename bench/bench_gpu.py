@@ -25,6 +25,11 @@ with seq = the token's own sequence length (packing does not add attention work)
 MFU = model_flops / step_time / rate, against the measured matmul rate of (a) (column ``%mm``) and against the
 H100/H200 SXM datasheet's 989 TFLOP/s dense bf16 (column ``%989``).
 
+Diagnostics: ``diag`` splits rlfw's forward_backward into CPU packing, host-to-device copies and the rest, reruns it
+with the micro-batches prebuilt on the device, and reads the device-busy time from torch.profiler; ``--budgets
+4096,8192,16384`` repacks the same sequences under larger token budgets per micro-batch (rows prebuilt on the
+device). ``--skip`` takes any of check,gqa,megatron,sdpa,variants,diag,profile,fused.
+
 Usage (GPU; the megatron-core wheel is carried as .whl):
     PYTHONUNBUFFERED=1 python3 bench/bench_gpu.py --out $OUT
 Dry run on CPU (tiny model, fp32, gloo): python bench/bench_gpu.py --cpu-dry-run
@@ -387,6 +392,35 @@ def diagnose(trainer, shape, batches, lengths_of, rows, seq, device, rate) -> No
         policy.microbatches, MicroBatch.to = original_microbatches, original_to
 
 
+def token_budgets(trainer, shape, batch, lengths, device, rate, budgets, repeats) -> None:
+    """Whole steps on the same sequences packed under larger token budgets per micro-batch (fewer, longer rows:
+    less host work per token), with the rows prebuilt on the device so that rlfw's CPU-side T x T masks (quadratic
+    in the budget) stay out of the timing."""
+    from rlfw.megatron import policy
+    from rlfw.megatron.packing import microbatches
+
+    original = policy.microbatches
+    for budget in budgets:
+        name = f"sdpa step packed, budget {budget} (prebuilt)"
+        try:
+            t0 = time.perf_counter()
+            built = [(i, mb.to(device)) for i, mb in microbatches(batch, budget, trainer.algo.loss_agg)]
+            pack_s = time.perf_counter() - t0
+            policy.microbatches = lambda *a, _built=built, **k: _built
+            train_step(trainer, batch, device)
+            timings = [train_step(trainer, batch, device) for _ in range(repeats)]
+            summarise(name, shape, lengths, timings, rate, {"what": "budget", "budget": budget, "rows": len(built),
+                                                            "cpu_pack_and_copy_s": pack_s})
+        except Exception as exc:  # noqa: BLE001
+            record(kind="timing", name=name, error=repr(exc))
+            log(f"{name} FAILED: {exc!r}")
+        finally:
+            policy.microbatches = original
+            built = None
+            gc.collect()
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
 def summarise(name, shape, lengths, timings, rate, extra=None):
     full, causal = model_flops(shape, lengths)
     tokens = sum(lengths)
@@ -525,6 +559,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", default="", help="comma-separated sections to skip")
+    parser.add_argument("--budgets", default="", help="token budgets per micro-batch to compare (prebuilt rows)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     OUT_DIR = Path(args.out)
@@ -665,6 +700,9 @@ def main() -> None:
                 log(f"logprobs packed: {lp_s * 1e3:.1f} ms")
             except Exception as exc:  # noqa: BLE001
                 log(f"logprobs FAILED: {exc!r}")
+        if attention == "sdpa" and args.budgets:
+            token_budgets(trainer, shape, batches["packed"], packed, device, rate,
+                          [int(b) for b in args.budgets.split(",")], args.repeats)
         if attention == "sdpa" and "diag" not in skip:
             diagnose(trainer, shape, batches, {"packed": packed, "single": single}, rows, seq, device, rate)
         if attention == "sdpa" and "profile" not in skip:

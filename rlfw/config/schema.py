@@ -68,6 +68,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_epsilon: float = 1e-5
     init_seed: int = 1234
+    bf16: bool = True  # CUDA only: bf16 weights and activations, fp32 grads and master weights; CPU runs fp32
 
 
 @dataclass

@@ -104,6 +104,25 @@ def _repeat_kv(x: Tensor, heads: int, dim: int) -> Tensor:
 
 # ----------------------------------------------------------------------------------- packed-row recognition
 _SEGMENTS: dict = {}  # id(mask) -> (weakref(mask), mask._version, segments); a handful of recent masks
+_CU_SEQLENS: dict = {}  # (id(mask), rows, device) -> (weakref(mask), mask._version, (cu_seqlens, longest))
+
+
+def _cached(cache: dict, key, mask: Tensor, compute):
+    entry = cache.get(key)
+    if entry is not None and entry[0]() is mask and entry[1] == mask._version:
+        return entry[2]
+    value = compute()
+    if len(cache) >= 8:
+        cache.clear()
+    cache[key] = (weakref.ref(mask), mask._version, value)
+    return value
+
+
+def packed_cu_seqlens(mask: Tensor, lengths: List[int], rows: int, device) -> Tuple[Tensor, int]:
+    """``segments_to_cu_seqlens`` on ``device``, cached per mask like the segments: every layer reuses one device
+    tensor (a host-to-device copy from pageable memory per layer would synchronise the stream each time)."""
+    return _cached(_CU_SEQLENS, (id(mask), rows, str(device)), mask,
+                   lambda: segments_to_cu_seqlens(lengths, device))
 
 
 def block_causal_segments(mask: Tensor) -> Optional[List[List[int]]]:
@@ -112,14 +131,7 @@ def block_causal_segments(mask: Tensor) -> Optional[List[List[int]]]:
     forward share it), so the check and its host sync happen once per micro-batch."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.size(1) != 1 or mask.size(2) != mask.size(3):
         return None
-    entry = _SEGMENTS.get(id(mask))
-    if entry is not None and entry[0]() is mask and entry[1] == mask._version:
-        return entry[2]
-    segments = _find_segments(mask)
-    if len(_SEGMENTS) >= 8:
-        _SEGMENTS.clear()
-    _SEGMENTS[id(mask)] = (weakref.ref(mask), mask._version, segments)
-    return segments
+    return _cached(_SEGMENTS, id(mask), mask, lambda: _find_segments(mask))
 
 
 @torch.no_grad()
@@ -134,10 +146,12 @@ def _find_segments(mask: Tensor) -> Optional[List[List[int]]]:
     expected = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril() & (
         seq_id[:, :, None] == seq_id[:, None, :]
     )
-    if not bool(is_start[:, 0].all()) or not torch.equal(expected, allowed):
+    ok = is_start[:, 0].all() & (expected == allowed).all()
+    host = torch.cat([ok.view(1), is_start.flatten()]).cpu()  # the one host sync of a micro-batch
+    if not bool(host[0]):
         return None
     segments = []
-    for row in is_start.cpu():
+    for row in host[1:].view(-1, T):
         starts = row.nonzero().flatten().tolist() + [T]
         segments.append([b - a for a, b in zip(starts[:-1], starts[1:])])
     return segments
@@ -221,7 +235,7 @@ class SDPAttention(MegatronModule):
             segments = segments * b
         if PACKED_IMPL == "auto" and all(len(row) == 1 for row in segments):  # plain causal rows
             return self._sdpa(query, key, value, None, sq > 1, dropout_p)
-        return self._packed(query, key, value, segments, dropout_p)
+        return self._packed(query, key, value, segments, dropout_p, attention_mask)
 
     def _sdpa(self, query, key, value, keep: Optional[Tensor], is_causal: bool, dropout_p: float) -> Tensor:
         """One SDPA call on ``[s, b, h, d]`` inputs; ``keep`` is a bool mask with True = attend."""
@@ -238,7 +252,7 @@ class SDPAttention(MegatronModule):
         )  # [b, h, sq, d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
-    def _packed(self, query, key, value, segments: List[List[int]], dropout_p: float) -> Tensor:
+    def _packed(self, query, key, value, segments: List[List[int]], dropout_p: float, mask=None) -> Tensor:
         """Causal attention within each packed sequence; ``segments[r]`` are batch row r's sequence lengths."""
         sq, b, np_, hn = query.shape
         lengths = [n for row in segments for n in row]
@@ -248,7 +262,10 @@ class SDPAttention(MegatronModule):
             q, k, v = (x.transpose(0, 1).reshape(b * sq, x.size(2), hn) for x in (query, key, value))
         use_varlen = PACKED_IMPL == "varlen" or (PACKED_IMPL == "auto" and varlen_usable(q, dropout_p))
         if use_varlen:
-            cu, longest = segments_to_cu_seqlens(lengths, q.device)
+            if mask is not None:
+                cu, longest = packed_cu_seqlens(mask, lengths, b, q.device)
+            else:
+                cu, longest = segments_to_cu_seqlens(lengths, q.device)
             out = _run_varlen(q, k, v, cu, cu, longest, longest, True, self.softmax_scale)  # [t, h, d]
         else:
             outs, offset = [], 0

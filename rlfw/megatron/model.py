@@ -2,7 +2,7 @@
 
 The architecture is the one Hugging Face calls ``LlamaForCausalLM`` (and Qwen2/3 minus biases), so weights convert
 one-to-one to the rollout engines (see ``rlfw.megatron.hf_convert``). The Megatron *local* layer spec is used
-unless Transformer Engine is installed; on CUDA its core attention is ``rlfw.megatron.attention.SDPAttention``
+on every device; on CUDA its core attention is ``rlfw.megatron.attention.SDPAttention``
 (PyTorch's fused kernels) unless ``core_attention="megatron"`` asks for Megatron's unfused one.
 """
 
@@ -71,21 +71,15 @@ CORE_ATTENTION = ("auto", "sdpa", "megatron")
 def layer_spec(shape: ModelShape, core_attention: str = "auto"):
     """The transformer layer spec. ``core_attention``: ``"megatron"`` is Megatron's local spec with its unfused
     ``DotProductAttention``; ``"sdpa"`` the local spec with ``rlfw.megatron.attention.SDPAttention`` (PyTorch's fused
-    kernels, varlen flash for packed rows); ``"auto"`` is Transformer Engine's spec where TE is installed and CUDA is
-    available, else SDPA on CUDA and Megatron's own attention on CPU."""
+    kernels, varlen flash for packed rows); ``"auto"`` is SDPA on CUDA and Megatron's own attention on CPU.
+
+    Transformer Engine's spec is not used: its causal attention ignores the explicit block-diagonal mask of rlfw's
+    packed rows (it needs THD ``packed_seq_params``, which the packing does not emit yet), so sequences packed into
+    one row would attend to each other."""
     if core_attention not in CORE_ATTENTION:
         raise ValueError(f"core_attention must be one of {CORE_ATTENTION}, not {core_attention!r}")
     if core_attention == "auto":
-        if not torch.cuda.is_available():
-            core_attention = "megatron"
-        else:
-            try:  # Transformer Engine, where installed (GPU machines)
-                import transformer_engine  # noqa: F401
-                from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-                return get_gpt_layer_with_transformer_engine_spec()
-            except ImportError:
-                core_attention = "sdpa"
+        core_attention = "sdpa" if torch.cuda.is_available() else "megatron"
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")

@@ -86,7 +86,7 @@ class TrainerWorker:
         parallel_state.initialize_model_parallel(self.cfg.dp.tp, self.cfg.dp.pp)
         self.trainer = PolicyTrainer(
             self.shape, self.cfg.algo, tp=self.cfg.dp.tp, temperature=self.cfg.rollout.temperature, device=device,
-            init_seed=self.cfg.model.init_seed,
+            init_seed=self.cfg.model.init_seed, bf16=self.cfg.model.bf16,
         )
         self.sync = sync_factory(self)
 

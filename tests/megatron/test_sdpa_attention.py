@@ -125,11 +125,14 @@ def test_batch_of_two_rows(megatron_world):
 
 
 def test_segments_recognised_and_cached(megatron_world):
-    from rlfw.megatron.attention import block_causal_segments
+    from rlfw.megatron.attention import block_causal_segments, packed_cu_seqlens
 
     _, _, mask = packed_row([4, 1, 6], 16)
     assert block_causal_segments(mask) == [[4, 1, 6]]
     assert block_causal_segments(mask) == [[4, 1, 6]]  # cached
+    cu, longest = packed_cu_seqlens(mask, [4, 1, 6], 1, torch.device("cpu"))
+    assert cu.tolist() == [0, 4, 5, 11] and cu.dtype == torch.int32 and longest == 6
+    assert packed_cu_seqlens(mask, [4, 1, 6], 1, torch.device("cpu"))[0] is cu  # one device tensor for all layers
     mask[0, 0, 8, 6] = True  # an in-place change bumps the version: recomputed, no longer block-diagonal causal
     assert block_causal_segments(mask) is None
     causal = ~torch.ones(9, 9, dtype=torch.bool).tril().view(1, 1, 9, 9)
