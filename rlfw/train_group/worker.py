@@ -90,17 +90,6 @@ class TrainerWorker:
         )
         self.sync = sync_factory(self)
 
-    def replica_rank(self) -> int:
-        """This rank's data-parallel replica index inside its world (0 for a cell)."""
-        from megatron.core import parallel_state
-
-        return parallel_state.get_data_parallel_rank()
-
-    def is_tp_leader(self) -> bool:
-        from megatron.core import parallel_state
-
-        return parallel_state.get_tensor_model_parallel_rank() == 0
-
     # --------------------------------------------------------------------------------------------- protocol
     def compute_logprobs(self, batch: RolloutBatch, indices: List[int]) -> Dict[str, List[List[float]]]:
         return self.trainer.logprobs(batch.select(indices))
