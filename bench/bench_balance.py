@@ -24,7 +24,8 @@ def imbalance(rows, replicas=2, warmup=2):
         n = [r[f"cell/{i}/num_tokens"] for i in range(replicas)]
         times.append(max(t) / (sum(t) / replicas))
         tokens.append(max(n) / (sum(n) / replicas))
-    return statistics.median(times), statistics.median(tokens), statistics.median(r["time/train"] for r in rows[warmup:])
+    train = statistics.median(r["time/train"] for r in rows[warmup:])
+    return statistics.median(times), statistics.median(tokens), train
 
 
 def main() -> None:

@@ -754,7 +754,8 @@ def print_table(rate) -> None:
             print(f"check {r['name']}: logits rel err {r['logits_rel_err']:.2e}, qkv grad rel err "
                   f"{r['qkv_grad_rel_err']:.2e}")
         elif r.get("kind") in ("check", "diag"):
-            print(f"{r['kind']} {r['name']}: " + ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("kind", "name")))
+            fields = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("kind", "name"))
+            print(f"{r['kind']} {r['name']}: {fields}")
         if r.get("kind") == "timing" and "error" in r:
             print(f"FAILED {r['name']}: {r['error']}")
     print(table(["run", "tokens", "ms", "fwd+bwd ms", "optim ms", "tok/s", "TFLOP/s", "%mm", "%mm causal",

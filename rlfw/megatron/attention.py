@@ -15,7 +15,8 @@ mask is given). rlfw's packed rows carry a block-diagonal causal mask; it is rec
 by all layers) and turned into per-sequence boundaries, so each packed sequence runs causal attention on its own:
 through ``torch.nn.attention.varlen.varlen_attn`` (flash, variable length) on CUDA in bf16/fp16, else one causal SDPA
 call per sequence; a row holding a single sequence is plain causal SDPA (``is_causal``). Any other mask goes to
-SDPA as an explicit boolean mask (SDPA's convention is the opposite: True = attend). Rows whose mask hides every key are not supported (SDPA returns NaN there; Megatron a uniform mix).
+SDPA as an explicit boolean mask (SDPA's convention is the opposite: True = attend). Rows whose mask hides every
+key are not supported (SDPA returns NaN there; Megatron a uniform mix).
 
 ``PACKED_IMPL`` (environment ``RLFW_SDPA_PACKED``) forces the packed-row path: ``auto`` (varlen where usable, else
 per sequence), ``varlen``, ``loop`` (per-sequence SDPA) or ``mask`` (one SDPA call with the explicit mask).
