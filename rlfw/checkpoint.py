@@ -1,6 +1,6 @@
 """Checkpoints written by the writer replica: atomically (temp dir + rename + COMPLETE marker) or not at all.
 
-A job killed mid-save leaves the previous checkpoint intact and a ``*.tmp`` directory that is never loaded.
+A job killed mid-save leaves the previous checkpoint intact and a ``*.tmp`` directory without a COMPLETE marker.
 """
 
 from __future__ import annotations
@@ -32,15 +32,6 @@ def write_checkpoint(path: Path, state: Dict[str, Any], before_commit=None) -> N
     os.replace(tmp, path)
 
 
-def latest_checkpoint(root: Path) -> Optional[Path]:
-    """The newest complete ``step_*`` checkpoint under ``root``; partial ones are skipped."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    done = [p for p in root.glob("step_*") if p.is_dir() and (p / COMPLETE).exists() and not p.name.endswith(".tmp")]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
-
-
 class Checkpointer:
     """Asks the train group's writer to save every ``interval`` steps and at the end of the run."""
 
@@ -53,6 +44,10 @@ class Checkpointer:
     def save_now(self, steps_done: int) -> Path:
         path = self.root / f"step_{steps_done}"
         self.group.save(str(path), steps_done)
+        if not (path / COMPLETE).exists():
+            # dp.tp > 1: each TP rank renamed its own shard directory into place; the step is complete only now
+            # that all of them returned.
+            (path / COMPLETE).write_text("ok\n")
         return path
 
     def maybe_save(self, step: int, final: bool) -> Optional[Path]:

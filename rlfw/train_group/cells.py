@@ -172,8 +172,8 @@ class CellGroup:
     def _fan_out(self, calls: Dict[int, Callable[[Cell], List[ray.ObjectRef]]], phase: str) -> Dict[int, Any]:
         """Run one call per cell; returns {cell id: leader's result} for the cells that finished.
 
-        A cell whose call raises is failed at once. When every other cell has finished, a cell still busy gets
-        ``ft.heartbeat_timeout_s`` more; after that it is treated as hung and failed, never waited on.
+        A cell whose call raises is failed at once. Once one cell has finished, a cell still busy gets
+        ``ft.heartbeat_timeout_s + ft.join_timeout_s`` more; after that it is treated as hung and failed.
         """
         pending = {}
         for cell_id, make_refs in calls.items():

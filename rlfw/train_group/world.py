@@ -59,11 +59,6 @@ class World:
     def start(self) -> None:
         get_all(self.launch())
 
-    @property
-    def leaders(self) -> List[Any]:
-        """Tensor-parallel rank 0 of every replica, in replica order."""
-        return self.workers[:: self.tp]
-
     def leaders_group(self, replica: int) -> List[Any]:
         """The TP ranks of replica ``replica``."""
         return self.workers[replica * self.tp:(replica + 1) * self.tp]
