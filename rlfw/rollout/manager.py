@@ -6,6 +6,7 @@ the trainer reads (tokens, prompt_len, advantage, ...) and whose per-batch keys 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any, Dict, List
@@ -77,7 +78,14 @@ class RolloutManager:
         max_new = min(max_new, self.shape.max_seq_len - max((len(p.token_ids) for p in kept_prompts), default=0))
         params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=max(max_new, 1))
         shards = np.array_split(np.arange(len(requests)), len(self.engines))
-        futures = [e.generate.remote([requests[i] for i in shard], params) for e, shard in zip(self.engines, shards)]
+        # Each shard's sampler is seeded by (run seed, step, shard): rollouts are a pure function of the step, which
+        # is what lets a resumed run continue exactly where the interrupted one stopped.
+        futures = [
+            e.generate.remote([requests[i] for i in shard],
+                              dataclasses.replace(params, seed=int(np.random.SeedSequence(
+                                  [self.cfg.seed, step, k]).generate_state(1)[0])))
+            for k, (e, shard) in enumerate(zip(self.engines, shards))
+        ]
         generations = [g for f in ray.get(futures) for g in f]
         gen_time = time.perf_counter() - t0
 

@@ -29,6 +29,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int
+    # Reseeds the engine's sampler for this call: the same requests, weights and seed give the same responses, so
+    # a resumed run (or a retried request) samples exactly what the uninterrupted run sampled. None = keep going.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -57,6 +57,8 @@ class LocalEngine:
         if not prompts:
             return []
         self._check_lengths(prompts, params)
+        if params.seed is not None:
+            self._generator.manual_seed(params.seed)
 
         input_ids, attention_mask = self._left_pad(prompts)
         # Each sequence counts positions from its first real token, as it would unpadded.
