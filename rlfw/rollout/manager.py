@@ -1,26 +1,37 @@
-"""RolloutManager: prompts from the task, completions from the engines, rewards and group advantages.
+"""RolloutManager: prompts from the task, completions from the engines, and their rewards.
 
-It runs as a Ray actor and owns the engine actors. Everything it returns is a ``RolloutBatch`` whose per-sample keys
-the trainer reads (tokens, prompt_len, advantage, ...) and whose per-batch keys carry what logging needs.
+It runs as a Ray actor and owns the engine actors (through an ``EnginePool``: concurrency limit, restarts of dead
+engines, the weight-version check). Everything it returns is a ``RolloutBatch`` whose per-sample keys the trainer
+reads (tokens, prompt_len, reward, ...) and whose per-batch keys carry what logging needs. Advantages are computed
+by the driver once the trainer's log-probs are in (``rlfw.algo.advantages`` says why).
+
+**Dynamic sampling** (DAPO, ``rollout.dynamic_sampling``): a group whose rewards are all equal has advantage 0 for
+every sample, so it costs training compute and teaches nothing. Such groups are dropped and more prompts are
+sampled, for up to ``rollout.max_oversample_rounds`` more rounds, until ``rollout.num_prompts`` groups with signal
+are collected (a surplus from the last round is cut off). A batch still short after the last round is trained as
+it is, smaller; the metrics say how many groups were kept, dropped and cut.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
-from typing import Any, Dict, List
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import ray
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from rlfw.algo.grpo import group_advantages
 from rlfw.data.batch import RolloutBatch
 from rlfw.megatron.model import ModelShape
-from rlfw.rollout.engines.local import LocalEngine
-from rlfw.rollout.types import SamplingParams
+from rlfw.rollout.engines.base import build_engine, engine_class
+from rlfw.rollout.engines.pool import EnginePool
+from rlfw.rollout.types import Generation, Prompt, SamplingParams
+
+# An engine that does not answer the health check before a step in this time is replaced.
+HEALTH_TIMEOUT_S = 60.0
 
 
 def padded_vocab_size(tokenizer_size: int, tp: int) -> int:
@@ -29,116 +40,177 @@ def padded_vocab_size(tokenizer_size: int, tp: int) -> int:
     return ((tokenizer_size + multiple - 1) // multiple) * multiple
 
 
+@dataclass
+class _Group:
+    """The samples of one prompt, and the step-wide position of its first sample (for its sample ids)."""
+
+    prompt: Prompt
+    generations: list[Generation]
+    rewards: list[float]
+    first_position: int
+
+
 @ray.remote(num_cpus=0)  # orchestration only: the engines hold the CPU share
 class RolloutManager:
-    def __init__(self, cfg: Dict[str, Any], shape: ModelShape):
+    def __init__(self, cfg: dict[str, Any], shape: ModelShape):
         import torch
 
         torch.set_num_threads(1)
         self.cfg = OmegaConf.create(cfg)
         self.task = instantiate(self.cfg.task)
         self.shape = shape
-        tok = self.task.tokenizer
-        engine_cls = ray.remote(LocalEngine)
-        self.engines = [
-            engine_cls.options(num_cpus=self.cfg.rollout.cpus_per_engine).remote(
-                shape, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=self.cfg.seed * 1000 + i
-            )
-            for i in range(self.cfg.rollout.num_engines)
-        ]
-        self.weight_version = -1
+        tokenizer, rollout = self.task.tokenizer, self.cfg.rollout
+        self.pool = EnginePool(
+            lambda index, incarnation: build_engine(self.cfg, shape, tokenizer, index, incarnation),
+            engine_class(rollout.backend).num_actors(self.cfg),
+            max_inflight=rollout.max_inflight_requests,
+            max_restarts=rollout.max_engine_restarts,
+        )
 
     def update_weights(self, hf_state, version: int) -> float:
         """Push new policy weights to every engine; returns the seconds it took."""
         t0 = time.perf_counter()
-        ray.get([e.update_weights.remote(hf_state, version) for e in self.engines])
-        self.weight_version = version
+        self.pool.update_weights(hf_state, version)
         return time.perf_counter() - t0
 
-    def generate(self, step: int, expected_version: int) -> Dict[str, Any]:
-        """One rollout batch for RL step ``step``; the same step and seed give the same prompts."""
-        if self.weight_version != expected_version:
+    def health(self) -> list[dict[str, Any]]:
+        """Every engine's health answer (weight version, pid, ...); dead or unresponsive engines are replaced."""
+        return self.pool.health(HEALTH_TIMEOUT_S)
+
+    def generate(self, step: int, expected_version: int) -> dict[str, Any]:
+        """One rollout batch for RL step ``step``; the same step and seed give the same prompts and responses."""
+        if self.pool.weight_version != expected_version:
             raise RuntimeError(
-                f"engines hold weights v{self.weight_version} but step {step} needs v{expected_version}"
+                f"engines hold weights v{self.pool.weight_version} but step {step} needs v{expected_version}"
             )
+        self.pool.health(HEALTH_TIMEOUT_S)  # a dead or hung engine is replaced before the step's requests go out
         cfg = self.cfg.rollout
         rng = np.random.default_rng([self.cfg.seed, step])
-        prompts = self.task.sample_prompts(cfg.num_prompts, rng)
-        n = cfg.n_samples_per_prompt
+        rounds = 1 + (cfg.max_oversample_rounds if cfg.dynamic_sampling else 0)
+        counts = {"too_long": 0, "nonfinite": 0, "zero_variance": 0, "sampled": 0, "rounds": 0}
+        kept: list[_Group] = []
+        position = 0  # samples generated so far in this step
         t0 = time.perf_counter()
-        requests, kept_prompts, too_long = [], [], 0
-        for prompt in prompts:
-            budget = self.shape.max_seq_len - len(prompt.token_ids)
-            if budget < 1:
-                too_long += 1  # the prompt alone fills the context: it cannot be trained on
-                continue
-            kept_prompts.append(prompt)
-            requests += [prompt.token_ids] * n
-        max_new = cfg.max_new_tokens or self.task.max_response_len
-        max_new = min(max_new, self.shape.max_seq_len - max((len(p.token_ids) for p in kept_prompts), default=0))
-        params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=max(max_new, 1))
-        shards = np.array_split(np.arange(len(requests)), len(self.engines))
-        # Each shard's sampler is seeded by (run seed, step, shard): rollouts are a pure function of the step, which
-        # is what lets a resumed run continue exactly where the interrupted one stopped.
-        futures = [
-            e.generate.remote([requests[i] for i in shard],
-                              dataclasses.replace(params, seed=int(np.random.SeedSequence(
-                                  [self.cfg.seed, step, k]).generate_state(1)[0])))
-            for k, (e, shard) in enumerate(zip(self.engines, shards))
-        ]
-        generations = [g for f in ray.get(futures) for g in f]
+        for round_index in range(rounds):
+            num = cfg.num_prompts if round_index == 0 else self._oversample_count(counts["sampled"], len(kept))
+            prompts = self.task.sample_prompts(num, rng)
+            counts["sampled"] += num
+            counts["rounds"] += 1
+            groups, generated = self._generate_groups(prompts, position, [self.cfg.seed, step, round_index], counts)
+            position += generated
+            if cfg.dynamic_sampling:
+                with_signal = [g for g in groups if np.ptp(g.rewards) > 0]
+                counts["zero_variance"] += len(groups) - len(with_signal)
+                groups = with_signal
+            kept += groups
+            if len(kept) >= cfg.num_prompts:
+                break
+        surplus = max(0, len(kept) - cfg.num_prompts)
+        kept = kept[: cfg.num_prompts]
         gen_time = time.perf_counter() - t0
 
-        columns: Dict[str, List[Any]] = {k: [] for k in (
-            "sample_id", "group_id", "tokens", "prompt_len", "reward", "rollout_logprobs", "truncated")}
-        bad_groups = 0
-        for g_index, prompt in enumerate(kept_prompts):
-            group = generations[g_index * n:(g_index + 1) * n]
+        # Sample ids are unique across steps: no step generates more than `stride` samples.
+        batch = self._batch(kept, step, stride=rounds * cfg.num_prompts * cfg.n_samples_per_prompt)
+        stats = self._stats(batch, counts, surplus, gen_time)
+        return {"batch": batch, "stats": stats, "examples": self._examples(batch)}
+
+    def _oversample_count(self, sampled: int, kept: int) -> int:
+        """Prompts for the next round: the missing groups divided by the share of prompts that gave one so far,
+        at most ``num_prompts`` (all of them when none has yet)."""
+        num_prompts = self.cfg.rollout.num_prompts
+        if kept == 0:
+            return num_prompts
+        return min(num_prompts, math.ceil((num_prompts - kept) * sampled / kept))
+
+    def _generate_groups(
+        self, prompts: list[Prompt], first_position: int, seed_key: list[int], counts: dict[str, int]
+    ) -> tuple[list[_Group], int]:
+        """``n_samples_per_prompt`` responses per prompt and their rewards, and how many responses were generated;
+        prompts that fill the context and groups with a non-finite reward are dropped (and counted)."""
+        cfg = self.cfg.rollout
+        n = cfg.n_samples_per_prompt
+        fitting = []
+        for prompt in prompts:
+            if self.shape.max_seq_len - len(prompt.token_ids) < 1:
+                counts["too_long"] += 1  # the prompt alone fills the context: it cannot be trained on
+            else:
+                fitting.append(prompt)
+        if not fitting:
+            return [], 0
+        max_new = cfg.max_new_tokens or self.task.max_response_len
+        max_new = min(max_new, self.shape.max_seq_len - max(len(p.token_ids) for p in fitting))
+        # Rollouts are a pure function of the step (and round): what lets a resumed run continue exactly where the
+        # interrupted one stopped. The pool derives each chunk's seed from this one.
+        seed = int(np.random.SeedSequence(seed_key).generate_state(1)[0])
+        params = SamplingParams(
+            temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=max(max_new, 1), seed=seed
+        )
+        generations = self.pool.generate([p.token_ids for p in fitting for _ in range(n)], params)
+
+        groups = []
+        for index, prompt in enumerate(fitting):
+            group = generations[index * n:(index + 1) * n]
             rewards = [float(self.task.reward(prompt, gen.response_ids)) for gen in group]
             if not all(math.isfinite(r) for r in rewards):
-                bad_groups += 1  # a non-finite reward poisons the group's advantage: drop the whole group
+                counts["nonfinite"] += 1  # a non-finite reward poisons the group's advantage: drop the whole group
                 continue
-            for j, (gen, reward) in enumerate(zip(group, rewards)):
-                columns["sample_id"].append(step * len(requests) + g_index * n + j)
+            groups.append(_Group(prompt, group, rewards, first_position + index * n))
+        return groups, len(generations)
+
+    def _batch(self, groups: list[_Group], step: int, stride: int) -> RolloutBatch:
+        columns: dict[str, list[Any]] = {k: [] for k in (
+            "sample_id", "group_id", "tokens", "prompt_len", "reward", "rollout_logprobs", "truncated", "gen_seconds")}
+        for group in groups:
+            prompt = group.prompt
+            for j, (gen, reward) in enumerate(zip(group.generations, group.rewards)):
+                columns["sample_id"].append(step * stride + group.first_position + j)
                 columns["group_id"].append(prompt.prompt_id)
                 columns["tokens"].append(list(prompt.token_ids) + list(gen.response_ids))
                 columns["prompt_len"].append(len(prompt.token_ids))
                 columns["reward"].append(reward)
                 columns["rollout_logprobs"].append(list(gen.logprobs))
                 columns["truncated"].append(gen.finish_reason == "length")
-        columns["advantage"] = (
-            group_advantages(columns["reward"], columns["group_id"], self.cfg.algo.normalize_adv_std)
-            if columns["reward"] else []
-        )
-        batch = RolloutBatch(columns, {"step": step})
+                columns["gen_seconds"].append(gen.seconds)
+        return RolloutBatch(columns, {"step": step})
+
+    def _stats(self, batch: RolloutBatch, counts: dict[str, int], surplus: int, gen_time: float) -> dict[str, float]:
+        columns = batch.samples
         rewards = np.asarray(columns["reward"]) if columns["reward"] else np.zeros(0)
         zero_var = sum(
             1 for g in set(columns["group_id"])
             if np.ptp([r for r, gid in zip(columns["reward"], columns["group_id"]) if gid == g]) == 0
         )
-        stats = {
+        seconds = np.asarray(columns["gen_seconds"]) if columns["gen_seconds"] else np.zeros(1)
+        return {
             "reward/mean": float(rewards.mean()) if rewards.size else float("nan"),
             "reward/std": float(rewards.std()) if rewards.size else float("nan"),
             "rollout/num_samples": len(batch),
+            "rollout/num_groups": len(set(columns["group_id"])),
             "rollout/response_len": float(np.mean(batch.response_lengths())) if len(batch) else 0.0,
             "rollout/truncated_frac": float(np.mean(columns["truncated"])) if len(batch) else 0.0,
-            "rollout/dropped_groups_nonfinite_reward": bad_groups,
-            "rollout/dropped_prompts_too_long": too_long,
+            "rollout/dropped_groups_nonfinite_reward": counts["nonfinite"],
+            "rollout/dropped_prompts_too_long": counts["too_long"],
             "rollout/zero_variance_groups": zero_var,
+            "rollout/dynamic/dropped_zero_variance_groups": counts["zero_variance"],
+            "rollout/dynamic/surplus_groups": surplus,
+            "rollout/dynamic/rounds": counts["rounds"],
+            "rollout/dynamic/sampled_prompts": counts["sampled"],
+            "rollout/gen_seconds_mean": float(seconds.mean()),
+            "rollout/gen_seconds_max": float(seconds.max()),
+            "rollout/engine_restarts": self.pool.restarts,
+            "rollout/weight_version": self.pool.weight_version,  # every response was checked to carry it
             "time/generate": gen_time,
         }
-        return {"batch": batch, "stats": stats, "examples": self._examples(batch)}
 
-    def _examples(self, batch: RolloutBatch, count: int = 4) -> List[List[Any]]:
+    def _examples(self, batch: RolloutBatch, count: int = 4) -> list[list[Any]]:
         tok = self.task.tokenizer
         vocab = len(tok)
         rows = []
         for i in range(min(count, len(batch))):
             tokens, p = batch.samples["tokens"][i], batch.samples["prompt_len"][i]
-            decode = lambda ids: tok.decode([t for t in ids if t < vocab])  # noqa: E731
+            decode = lambda ids: tok.decode([t for t in ids if t < vocab])
             rows.append([batch.sample_ids[i], decode(tokens[:p]), decode(tokens[p:]), batch.samples["reward"][i]])
         return rows
 
     def shutdown(self) -> None:
-        for e in self.engines:
-            ray.kill(e)
+        self.pool.shutdown()

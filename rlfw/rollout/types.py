@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -10,12 +10,13 @@ class Prompt:
     """One task instance: what the policy sees, and what the task's verifier compares the response against.
 
     ``prompt_id`` is unique per task instance, so the several responses sampled for one prompt can be grouped
-    (e.g. for group-relative advantages).
+    (e.g. for group-relative advantages). ``target`` is token ids for synthetic tasks that score tokens (copy) and
+    the reference answer text for dataset tasks that score decoded text (math, exact match).
     """
 
     prompt_id: int
     token_ids: list[int]
-    target: list[int]
+    target: list[int] | str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,8 +50,13 @@ class Generation:
     ``logprobs[i]`` is the log-probability of ``response_ids[i]`` under the distribution it was sampled from
     (see the engine for what that means exactly). ``finish_reason`` is "stop" when the response ends with the
     end-of-sequence token (which it then includes) and "length" when it ran out of ``max_new_tokens``.
+    ``weight_version`` is the policy version the engine held while it generated, so a consumer can refuse a
+    response from stale weights. ``seconds`` is the time from the start of the engine call that produced it to
+    its last token (a measurement, so it takes no part in equality).
     """
 
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    weight_version: int | None = None
+    seconds: float = field(default=0.0, compare=False)

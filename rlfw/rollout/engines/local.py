@@ -1,23 +1,29 @@
-"""The embedded generation engine: a Hugging Face Llama and a batched sampling loop, in-process, no vLLM.
+"""The embedded generation engine: a Hugging Face copy of the policy (Llama, Qwen2 or Qwen3) and a batched
+sampling loop, in-process, no vLLM.
 
 It serves small policies on CPU (tests, the CPU smoke runs) and is the reference the vLLM engine is checked
 against, so the loop is written out rather than delegated to ``generate()``: what a logprob means, how top-p
-cuts and when a sequence stops are all decided here, in one place. It is a plain class; wrapping it as a Ray
-actor happens elsewhere.
+cuts and when a sequence stops are all decided here, in one place. It is a plain class implementing
+``rlfw.rollout.engines.base.Engine``; wrapping it as a Ray actor happens in the engine factory.
 """
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import Tensor
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from rlfw.megatron.hf_convert import hf_config
 from rlfw.megatron.model import ModelShape
+from rlfw.rollout.engines.base import Engine
 from rlfw.rollout.types import Generation, SamplingParams
 
 
-class LocalEngine:
+class LocalEngine(Engine):
     """Samples responses from the policy last loaded with ``update_weights``."""
 
     def __init__(
@@ -32,10 +38,16 @@ class LocalEngine:
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.device = torch.device(device)
-        self.model = LlamaForCausalLM(hf_config(shape)).to(self.device, torch.float32).eval()
+        # The HF class of the policy's family (hf_config picks Llama, Qwen2 or Qwen3 from the shape).
+        self.model = AutoModelForCausalLM.from_config(hf_config(shape)).to(self.device, torch.float32).eval()
         # Policy version of the loaded weights; None until the first update_weights.
         self.weight_version: int | None = None
         self._generator = torch.Generator(self.device).manual_seed(seed)
+
+    @classmethod
+    def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, workdir: Path) -> dict[str, Any]:
+        return {"shape": shape, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+                "seed": seed}
 
     def update_weights(self, hf_state: dict[str, Tensor], version: int) -> None:
         """Load a full HF state dict (see ``rlfw.megatron.hf_convert.megatron_to_hf``); cast to fp32."""
@@ -52,11 +64,11 @@ class LocalEngine:
         ``log_softmax(logits)``. Sequences stop at ``eos_token_id`` (kept in the response) or after
         ``max_new_tokens``.
         """
-        if self.weight_version is None:
-            raise RuntimeError("LocalEngine.generate called before update_weights: the policy has no weights yet")
+        self._require_weights()
         if not prompts:
             return []
         self._check_lengths(prompts, params)
+        started = time.perf_counter()
         if params.seed is not None:
             self._generator.manual_seed(params.seed)
 
@@ -70,6 +82,7 @@ class LocalEngine:
         batch = len(prompts)
         responses: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
+        seconds = [0.0] * batch
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         for step in range(params.max_new_tokens):
             tokens, token_logprobs = self._sample(logits, params)
@@ -79,6 +92,7 @@ class LocalEngine:
                 if not done:
                     responses[i].append(token)
                     logprobs[i].append(logprob)
+                    seconds[i] = time.perf_counter() - started
             finished |= tokens == self.eos_token_id
             if finished.all() or step + 1 == params.max_new_tokens:
                 break
@@ -90,8 +104,10 @@ class LocalEngine:
             next_position = next_position + 1
 
         return [
-            Generation(response, lps, "stop" if response[-1] == self.eos_token_id else "length")
-            for response, lps in zip(responses, logprobs)
+            Generation(
+                response, lps, "stop" if response[-1] == self.eos_token_id else "length", self.weight_version, secs
+            )
+            for response, lps, secs in zip(responses, logprobs, seconds)
         ]
 
     def _check_lengths(self, prompts: list[list[int]], params: SamplingParams) -> None:

@@ -1,0 +1,168 @@
+"""HTTP client of one SGLang server (or router): the native API that RL needs, token ids in and out.
+
+Request and response shapes follow SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py``,
+``srt/managers/io_struct.py``, ``srt/managers/tokenizer_manager.py``, ``srt/layers/sampler.py``):
+
+* ``POST /generate`` with ``{"input_ids": [[int]], "sampling_params": {...} or [{...}], "return_logprob": true}``
+  answers one ``{"output_ids", "meta_info"}`` per input, in order. ``meta_info.output_token_logprobs`` is
+  ``[[logprob, token_id, text-or-null], ...]`` for every generated token, the matched stop token included;
+  ``meta_info.finish_reason`` is ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` or
+  ``{"type": "abort", "message": ...}``; ``meta_info.weight_version`` is the server's weight version when it
+  answered. The log-probs are those of ``softmax(logits / temperature)`` before top-p (``log_softmax(logits)`` when
+  greedy), the same distribution ``LocalEngine`` reports, unless the server runs with
+  ``SGLANG_RETURN_ORIGINAL_LOGPROB``. ``sampling_seed`` is honoured only with ``--enable-deterministic-inference``.
+* ``POST /update_weights_from_disk`` with ``{"model_path", "weight_version", "flush_cache"}`` answers
+  ``{"success", "message", "num_paused_requests"}`` with status 200, or 400 when the load failed.
+* ``GET /health_generate`` is 200 once the server generated a token, 503 while it starts or is stuck (``/health``
+  answers 200 without generating in 0.5.23, so it would call a wedged scheduler healthy).
+* ``GET /model_info`` gives ``{"model_path", "weight_version", "is_generation", ...}`` (``/get_model_info`` is its
+  deprecated alias).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import requests
+
+from rlfw.rollout.types import Generation, SamplingParams
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+class ServerError(RuntimeError):
+    """One server failed (down, timed out, aborted, stale weights, garbled answer); another one may not."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+class RequestRejected(RuntimeError):
+    """The server refused the request itself (HTTP 4xx); sending it elsewhere would not help."""
+
+
+def request_seeds(seed: int, count: int) -> list[int]:
+    """One sampling seed per request, derived from the call's seed and the request's position in the call.
+
+    Identical prompts (the samples of one group) must not share a seed, or a deterministic server would return
+    identical responses; a retried request keeps its position, hence its seed and its sample.
+    """
+    return [int(np.random.SeedSequence([seed, i]).generate_state(1)[0]) for i in range(count)]
+
+
+def generate_payload(
+    prompts: list[list[int]], params: SamplingParams, stop_token_ids: list[int], seeds: list[int] | None
+) -> dict[str, Any]:
+    """The ``/generate`` body for a batch of token-id prompts (``seeds``: one per prompt, or None)."""
+    sampling = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "max_new_tokens": params.max_new_tokens,
+        "stop_token_ids": list(stop_token_ids),
+    }
+    return {
+        "input_ids": [list(prompt) for prompt in prompts],
+        "sampling_params": sampling if seeds is None else [dict(sampling, sampling_seed=s) for s in seeds],
+        "return_logprob": True,
+    }
+
+
+def parse_generations(url: str, body: Any, count: int, expected_version: str) -> list[Generation]:
+    """The generations in a ``/generate`` answer; ServerError if it is not ``count`` finished, current ones.
+
+    ``expected_version`` is the decimal string of the weight version rlfw pushed (SGLang versions are strings).
+    """
+    if not isinstance(body, list) or len(body) != count:
+        got = f"{len(body)} items" if isinstance(body, list) else type(body).__name__
+        raise ServerError(url, f"/generate answered {got} for {count} prompts")
+    generations = []
+    for item in body:
+        try:
+            meta = item["meta_info"]
+            finish = meta["finish_reason"] or {}
+            version = meta.get("weight_version")
+            pairs = meta["output_token_logprobs"]
+            tokens = [int(pair[1]) for pair in pairs]
+            logprobs = [float(pair[0]) for pair in pairs]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise ServerError(url, f"/generate answer lacks {e!r}: {str(item)[:300]}") from None
+        reason = finish.get("type")
+        if reason == "abort":
+            raise ServerError(url, f"the server aborted the request: {finish.get('message')}")
+        if reason not in ("stop", "length"):
+            raise ServerError(url, f"unexpected finish_reason {finish!r}")
+        if str(version) != expected_version:
+            raise ServerError(url, f"answered with weight version {version!r}, expected {expected_version!r}")
+        if not tokens:
+            raise ServerError(url, "an answer without generated tokens")
+        generations.append(Generation(tokens, logprobs, reason, weight_version=int(expected_version)))
+    return generations
+
+
+class SGLangClient:
+    """Calls to one server URL; every call has a timeout, and every failure is a ServerError or RequestRejected."""
+
+    def __init__(self, url: str, request_timeout_s: float, control_timeout_s: float) -> None:
+        self.url = url.rstrip("/")
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        stop_token_ids: list[int],
+        expected_version: str,
+        seeds: list[int] | None = None,
+    ) -> list[Generation]:
+        body = self._call(
+            "POST", "/generate", self.request_timeout_s, json=generate_payload(prompts, params, stop_token_ids, seeds)
+        )
+        return parse_generations(self.url, body, len(prompts), expected_version)
+
+    def update_weights_from_disk(self, model_path: str, version: str, timeout_s: float) -> None:
+        """Load the HF checkpoint at ``model_path`` (as the server sees the filesystem) and tag it ``version``."""
+        body = self._call(
+            "POST",
+            "/update_weights_from_disk",
+            timeout_s,
+            json={"model_path": model_path, "weight_version": version, "flush_cache": True},
+        )
+        if not isinstance(body, dict) or body.get("success") is not True:
+            raise RequestRejected(f"{self.url}/update_weights_from_disk failed: {body}")
+
+    def model_info(self) -> dict[str, Any]:
+        body = self._call("GET", "/model_info", self.control_timeout_s)
+        if not isinstance(body, dict):
+            raise ServerError(self.url, f"/model_info answered {str(body)[:200]}")
+        return body
+
+    def health_error(self, timeout_s: float | None = None) -> str | None:
+        """None when ``/health_generate`` answers 200; else what went wrong."""
+        timeout_s = self.control_timeout_s if timeout_s is None else timeout_s
+        try:
+            response = requests.get(self.url + "/health_generate", timeout=(CONNECT_TIMEOUT_S, timeout_s))
+        except requests.RequestException as e:
+            return f"{type(e).__name__}: {e}"
+        return None if response.status_code == 200 else f"/health_generate answered HTTP {response.status_code}"
+
+    def _call(self, method: str, path: str, timeout_s: float, json: Any = None) -> Any:
+        try:
+            response = requests.request(method, self.url + path, json=json, timeout=(CONNECT_TIMEOUT_S, timeout_s))
+        except requests.Timeout:
+            raise ServerError(self.url, f"{path} did not answer within {timeout_s}s") from None
+        except requests.RequestException as e:
+            raise ServerError(self.url, f"{path} failed: {type(e).__name__}: {e}") from None
+        # 408 and 429 are a busy server or router (queue timeout, queue full), not a bad request.
+        if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
+            raise RequestRejected(f"{self.url}{path} rejected the request (HTTP {response.status_code}): "
+                                  f"{response.text[:500]}")
+        if response.status_code != 200:
+            raise ServerError(self.url, f"{path} answered HTTP {response.status_code}: {response.text[:300]}")
+        try:
+            return response.json()
+        except ValueError:
+            raise ServerError(self.url, f"{path} answered non-JSON: {response.text[:200]}") from None

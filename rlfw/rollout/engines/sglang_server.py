@@ -1,0 +1,105 @@
+"""Launch mode: one ``sglang.launch_server`` process per engine, owned by a Ray actor that holds its GPUs.
+
+The actor is scheduled with ``num_gpus``, so Ray sets ``CUDA_VISIBLE_DEVICES`` to its GPUs and the server process
+inherits it: SGLang sees exactly the devices Ray gave this engine. The process runs in a session (and process group)
+of its own because SGLang forks a scheduler and a detokenizer per server; stopping the group stops them all, and
+nothing is left holding GPU memory or the port. Should the actor die instead, Ray ends its child, the server, and
+SGLang's processes end themselves when their parent dies (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+# `{python}` is the interpreter of the actor that starts the server (the environment rlfw runs in).
+DEFAULT_LAUNCH_COMMAND = ["{python}", "-m", "sglang.launch_server"]
+
+
+def launch_argv(
+    command: list[str],
+    model_path: str,
+    host: str,
+    port: int,
+    tp_size: int,
+    weight_version: str,
+    seed: int,
+    extra_args: list[str],
+) -> list[str]:
+    """The server's command line: ``command`` plus the SGLang 0.5.23 flags rlfw relies on, then ``extra_args``.
+
+    ``--skip-tokenizer-init``: rlfw sends and reads token ids only, and the checkpoints it writes carry no tokenizer.
+    """
+    program = [part.replace("{python}", sys.executable) for part in command]
+    return program + [
+        "--model-path", model_path,
+        "--host", host,
+        "--port", str(port),
+        "--tp-size", str(tp_size),
+        "--weight-version", weight_version,
+        "--random-seed", str(seed),
+        "--skip-tokenizer-init",
+        *extra_args,
+    ]  # fmt: skip
+
+
+class ServerProcess:
+    """One server process and its log file; run it as a Ray actor (see ``SGLangEngine``)."""
+
+    def __init__(self, name: str, log_path: str) -> None:
+        self.name = name
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._process: subprocess.Popen | None = None
+
+    def start(self, argv: list[str]) -> int:
+        """Start the server (stopping a previous one first); returns its pid."""
+        self.stop()
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {self.name}: {' '.join(argv)}\n".encode())
+            log.flush()
+            self._process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self._process.pid
+
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def returncode(self) -> int | None:
+        """None while the server process runs (or was never started); its exit code once it ended."""
+        return self._process.poll() if self._process is not None else None
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return "(no log yet)"
+        with open(self.log_path, errors="replace") as log:
+            return "".join(deque(log, maxlen=lines))
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the server's process group, SIGKILL whatever is left after ``grace_s``."""
+        if self._process is None:
+            return
+        group = self._process.pid  # the leader of its own session: its pid is the group id
+        signal_group(group, signal.SIGTERM)
+        try:
+            self._process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # Children can outlive the leader (or ignore SIGTERM): the group goes in any case.
+        signal_group(group, signal.SIGKILL)
+        self._process.wait()
+        self._process = None
+
+
+def signal_group(group: int, sig: signal.Signals) -> None:
+    """Signal a server's process group (its pid), if any of it is left."""
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        pass  # the whole group already exited

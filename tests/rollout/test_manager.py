@@ -1,0 +1,102 @@
+"""RolloutManager on real engine actors: dynamic sampling, truncation, per-sample timing, versions, restarts."""
+
+import numpy as np
+import pytest
+import ray
+from engine_helpers import compose_cfg, random_hf_state, shape_of, sigkill
+from omegaconf import OmegaConf
+
+from rlfw.rollout.manager import RolloutManager
+
+FAST = ["rollout.num_prompts=4", "rollout.n_samples_per_prompt=4"]
+
+
+def start_manager(tmp_path, *overrides, version: int = 0):
+    cfg = compose_cfg(tmp_path, *FAST, *overrides)
+    shape = shape_of(cfg)
+    manager = RolloutManager.remote(OmegaConf.to_container(cfg, resolve=True), shape)
+    ray.get(manager.update_weights.remote(random_hf_state(shape), version))
+    return manager
+
+
+def groups_of(batch):
+    groups = {}
+    for gid, reward in zip(batch.samples["group_id"], batch.samples["reward"]):
+        groups.setdefault(gid, []).append(reward)
+    return groups
+
+
+def test_dynamic_sampling_keeps_only_groups_with_signal(ray_local, tmp_path):
+    manager = start_manager(
+        tmp_path, "task._target_=signal_tasks.HalfSignalTask", "rollout.dynamic_sampling=true",
+        "rollout.max_oversample_rounds=8",
+    )
+    try:
+        out = ray.get(manager.generate.remote(0, 0))
+    finally:
+        ray.get(manager.shutdown.remote())
+    batch, stats = out["batch"], out["stats"]
+    groups = groups_of(batch)
+    assert len(groups) == 4 and all(len(r) == 4 for r in groups.values())
+    assert all(np.ptp(rewards) > 0 for rewards in groups.values())
+    # Every sampled prompt is accounted for: kept, dropped for equal rewards, or cut as surplus of the last round.
+    dropped, surplus = stats["rollout/dynamic/dropped_zero_variance_groups"], stats["rollout/dynamic/surplus_groups"]
+    assert stats["rollout/dynamic/sampled_prompts"] == 4 + dropped + surplus
+    assert stats["rollout/dynamic/rounds"] >= 2 and stats["rollout/zero_variance_groups"] == 0
+    assert len(set(batch.sample_ids)) == len(batch)
+
+
+def test_dynamic_sampling_gives_up_after_its_rounds(ray_local, tmp_path):
+    manager = start_manager(
+        tmp_path, "task._target_=signal_tasks.NoSignalTask", "rollout.dynamic_sampling=true",
+        "rollout.max_oversample_rounds=2",
+    )
+    try:
+        stats = ray.get(manager.generate.remote(0, 0))["stats"]
+    finally:
+        ray.get(manager.shutdown.remote())
+    assert stats["rollout/num_samples"] == 0
+    assert stats["rollout/dynamic/rounds"] == 3
+    assert stats["rollout/dynamic/dropped_zero_variance_groups"] == stats["rollout/dynamic/sampled_prompts"] == 12
+
+
+def test_batch_columns_truncation_timing_and_versions(ray_local, tmp_path):
+    # One new token and a task whose answer needs 4: every response runs out of length unless it is <eos>.
+    manager = start_manager(
+        tmp_path, "task._target_=signal_tasks.NoSignalTask", "rollout.max_new_tokens=1", "rollout.num_engines=2",
+        "rollout.max_inflight_requests=3", version=4,
+    )
+    try:
+        with pytest.raises(Exception, match="engines hold weights v4 but step 0 needs v5"):
+            ray.get(manager.generate.remote(0, 5))
+        out = ray.get(manager.generate.remote(3, 4))
+        again = ray.get(manager.generate.remote(3, 4))
+    finally:
+        ray.get(manager.shutdown.remote())
+    batch, stats = out["batch"], out["stats"]
+    assert len(batch) == 16 and stats["rollout/num_groups"] == 4  # without dynamic sampling nothing is dropped
+    assert batch.sample_ids == list(range(3 * 16, 4 * 16))
+    responses = [t[p:] for t, p in zip(batch.samples["tokens"], batch.samples["prompt_len"])]
+    assert all(len(r) == 1 for r in responses)
+    assert batch.samples["truncated"] == [r != [2] for r in responses]
+    assert stats["rollout/truncated_frac"] == np.mean(batch.samples["truncated"])
+    assert all(s > 0 for s in batch.samples["gen_seconds"])
+    assert stats["rollout/gen_seconds_mean"] == pytest.approx(np.mean(batch.samples["gen_seconds"]))
+    assert stats["rollout/gen_seconds_max"] == max(batch.samples["gen_seconds"])
+    assert again["batch"].samples["tokens"] == batch.samples["tokens"]  # a step's rollout is a function of the step
+
+
+def test_killed_engine_is_replaced_mid_rollout_until_restarts_run_out(ray_local, tmp_path):
+    manager = start_manager(tmp_path, "rollout.num_engines=2", "rollout.max_engine_restarts=1")
+    try:
+        reference = ray.get(manager.generate.remote(0, 0))["batch"]
+        sigkill(ray.get(manager.health.remote())[0]["pid"])
+        out = ray.get(manager.generate.remote(0, 0))
+        assert out["stats"]["rollout/engine_restarts"] == 1
+        assert out["batch"].samples["tokens"] == reference.samples["tokens"]  # same samples despite the death
+
+        sigkill(ray.get(manager.health.remote())[1]["pid"])
+        with pytest.raises(Exception, match="rollout.max_engine_restarts=1 restarts are used up"):
+            ray.get(manager.generate.remote(1, 0))
+    finally:
+        ray.get(manager.shutdown.remote())

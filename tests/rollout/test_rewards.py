@@ -1,0 +1,198 @@
+"""Rewards: math-verify and exact match on hand-written cases, user rewards by _target_, errors, and Ray actors."""
+
+import json
+import logging
+import math
+import textwrap
+
+import numpy as np
+import pytest
+import ray
+from chat_tokenizer import GSM8K_CONF, build_chat_tokenizer
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from rlfw.cluster.ray_cluster import start_ray
+from rlfw.config import ConfigError, register_configs
+from rlfw.config.schema import ClusterConfig
+from rlfw.rollout.rewards import RewardError, exact_match_reward, load_reward, math_reward
+from rlfw.rollout.tasks.dataset import DatasetTask
+
+RECORDS = [{"q": "Ann has 2 apples and buys 3 more. How many apples does she have?", "a": "5"},
+           {"q": "Half of one is what?", "a": "\\frac{1}{2}"}]
+
+
+@pytest.mark.parametrize("response, answer, want", [
+    ("2 + 3 = 5, so the answer is \\boxed{5}.", "5", 1.0),
+    ("She has 2 apples, then 3 more: 5 apples.", "5", 1.0),  # no box: the last number
+    ("First 17 apples, then 18.", "18", 1.0),
+    ("The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),  # fractions and decimals agree
+    ("Half of one is 0.5", "\\frac{1}{2}", 1.0),
+    ("It is 1/2.", "0.5", 1.0),
+    ("The total is 1,200 dollars.", "1200", 1.0),
+    ("\\boxed{18.0}", "18", 1.0),
+    ("\\boxed{6}", "5", 0.0),  # wrong
+    ("The answer is 0.25", "\\frac{1}{2}", 0.0),
+    ("I do not know.", "5", 0.0),  # no answer at all
+    ("", "5", 0.0),
+])
+def test_math_reward(response, answer, want):
+    assert math_reward("prompt", response, answer) == want
+
+
+def test_math_reward_rejects_a_reference_without_math():
+    with pytest.raises(ValueError, match="reference answer 'many' holds no math"):
+        math_reward("prompt", "\\boxed{5}", "many")
+
+
+@pytest.mark.parametrize("response, kwargs, want", [
+    ("  42\n", {}, 1.0),
+    ("42 apples", {}, 0.0),
+    ("3 * 14 = 42\n#### 42", {"pattern": r"####\s*(\S+)"}, 1.0),
+    ("#### 41 ... no wait\n#### 42", {"pattern": r"####\s*(\S+)"}, 1.0),  # the last match counts
+    ("#### 41", {"pattern": r"####\s*(\S+)", "format_score": 0.1}, 0.1),  # formatted, wrong
+    ("42", {"pattern": r"####\s*(\S+)", "format_score": 0.1}, 0.0),  # right, unformatted
+    ("<answer>42</answer>", {"pattern": r"<answer>.*?</answer>"}, 0.0),  # whole match is the answer
+])
+def test_exact_match_reward(response, kwargs, want):
+    assert exact_match_reward("prompt", response, "42", **kwargs) == want
+
+
+def test_exact_match_pattern_with_two_groups_is_an_error():
+    with pytest.raises(ValueError, match="has 2 groups"):
+        exact_match_reward("p", "a=1", "1", pattern=r"(\w)=(\d)")
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A user's reward module, importable the way ``task.reward._target_=my_rewards.fn`` imports it."""
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+        def keyword(prompt_text, response_text, answer, *, bonus=0.0):
+            return float(answer in response_text) + bonus * ("apples" in prompt_text)
+
+        def explode(prompt_text, response_text, answer):
+            raise ZeroDivisionError("the user's bug")
+
+        def two_args(prompt_text, response_text):
+            return 0.0
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_rewards"
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return build_chat_tokenizer(tmp_path_factory.mktemp("chat_tokenizer"))
+
+
+def make_task(tmp_path, chat_dir, reward, **kwargs):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    return DatasetTask(data_path=str(data), tokenizer_path=str(chat_dir), reward=reward, prompt_field="q",
+                       answer_field="a", shuffle=False, **kwargs)
+
+
+def step_rng(step):
+    """The generator the RolloutManager draws step ``step``'s prompts with (run seed 0)."""
+    return np.random.default_rng([0, step])
+
+
+def encode(task, text):
+    return task.tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
+
+
+def test_custom_reward_by_target(tmp_path, chat_dir, user_module):
+    spec = OmegaConf.create({"_target_": f"{user_module}.keyword", "bonus": 0.25})
+    task = make_task(tmp_path, chat_dir, spec)
+    apples, half = task.sample_prompts(2, step_rng(0))
+    assert task.reward(apples, encode(task, "She has 5.")) == 1.25  # answer found, and "apples" in the prompt
+    assert task.reward(apples, encode(task, "She has 4.") + [len(task.tokenizer) + 3]) == 0.25  # padded id: no text
+    assert task.reward(half, encode(task, "It is \\frac{1}{2}")) == 1.0
+
+
+def test_reward_override_on_the_command_line(chat_dir, user_module):
+    register_configs()
+    with initialize_config_dir(config_dir=str(GSM8K_CONF.parents[1]), version_base="1.3"):
+        cfg = compose("config", overrides=["task=gsm8k", f"task.tokenizer_path={chat_dir}",
+                                           "task.reward._target_=my_rewards.keyword", "+task.reward.bonus=0.5"])
+    task = instantiate(cfg.task)
+    prompt = task.sample_prompts(1, step_rng(0))[0]
+    assert task.reward(prompt, encode(task, f"{prompt.target}0")) == 1.0  # a substring: math_reward would say 0
+
+
+def test_reward_targets_are_checked_at_start_up(user_module):
+    with pytest.raises(ConfigError, match="task.reward._target_='my_rewards.missing' cannot be imported"):
+        load_reward({"_target_": "my_rewards.missing"})
+    with pytest.raises(ConfigError, match="task.reward._target_='no_such_module.fn' cannot be imported"):
+        load_reward({"_target_": "no_such_module.fn"})
+    with pytest.raises(ConfigError, match="cannot be called as fn\\(prompt_text, response_text, answer\\)"):
+        load_reward({"_target_": "my_rewards.two_args"})
+    with pytest.raises(ConfigError, match="answer, scale=...\\)"):
+        load_reward({"_target_": "my_rewards.keyword", "scale": 2})
+    with pytest.raises(ConfigError, match="task.reward has no _target_"):
+        load_reward({"bonus": 1})
+
+
+def test_raising_reward_stops_naming_the_sample(tmp_path, chat_dir, user_module):
+    task = make_task(tmp_path, chat_dir, {"_target_": "my_rewards.explode"})
+    prompt = task.sample_prompts(2, step_rng(1))[1]  # position 3: record 1 of the two
+    with pytest.raises(RewardError, match=r"reward my_rewards.explode failed on prompt_id=3 \(record 1 of .*d.jsonl\)"
+                                          r": ZeroDivisionError: the user's bug"):
+        task.reward(prompt, encode(task, "5"))
+
+
+def test_raising_reward_drops_and_counts(tmp_path, chat_dir, user_module, caplog):
+    task = make_task(tmp_path, chat_dir, {"_target_": "my_rewards.explode"}, on_reward_error="drop")
+    with caplog.at_level(logging.WARNING):
+        rewards = [task.reward(p, encode(task, "5")) for p in task.sample_prompts(2, step_rng(0))]
+    assert all(math.isnan(r) for r in rewards)  # the RolloutManager drops a group with a non-finite reward
+    assert task.num_reward_errors == 2
+    assert "prompt_id=1 (record 1" in caplog.text and "task.on_reward_error=drop" in caplog.text
+
+
+def test_a_reward_that_returns_no_number_is_an_error(tmp_path, chat_dir):
+    task = make_task(tmp_path, chat_dir, {"_target_": "builtins.print"})  # returns None
+    with pytest.raises(RewardError, match="reward builtins.print failed on prompt_id=0.*TypeError"):
+        task.reward(task.sample_prompts(1, step_rng(0))[0], encode(task, "5"))
+
+
+# The task as a Ray actor, the way the RolloutManager holds it: built and called inside an actor's process.
+RemoteTask = ray.remote(num_cpus=0)(DatasetTask)
+
+
+def remote_rewards(actor, task, responses):
+    prompts = ray.get(actor.sample_prompts.remote(len(responses), step_rng(0)))
+    return ray.get([actor.reward.remote(p, encode(task, r)) for p, r in zip(prompts, responses)])
+
+
+def scorer_kwargs(task, chat_dir, reward):
+    """The same task again, to be built inside an actor, with ``reward``."""
+    return {"data_path": str(task.data_path), "tokenizer_path": str(chat_dir), "prompt_field": "q",
+            "answer_field": "a", "shuffle": False, "reward": reward}
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    start_ray(OmegaConf.structured(ClusterConfig(num_cpus=1)))
+    yield
+    ray.shutdown()
+
+
+def test_math_reward_in_ray_actors(tmp_path, chat_dir, ray_local):
+    task = make_task(tmp_path, chat_dir, {"_target_": "rlfw.rollout.rewards.math_reward"})
+    kwargs = scorer_kwargs(task, chat_dir, {"_target_": "rlfw.rollout.rewards.math_reward", "timeout_s": 3})
+    responses = ["\\boxed{5}", "0.5", "\\boxed{6}", "1/2"]
+    want = [1.0, 1.0, 0.0, 1.0]
+    assert [task.reward(p, encode(task, r)) for p, r in zip(task.sample_prompts(4, step_rng(0)), responses)] == want
+    # A plain actor runs its methods in the worker's main thread, where math-verify's signal timeouts work.
+    assert remote_rewards(RemoteTask.remote(**kwargs), task, responses) == want
+    # A threaded actor does not: the timeouts are switched off instead of every sample failing.
+    assert remote_rewards(RemoteTask.options(max_concurrency=2).remote(**kwargs), task, responses) == want
+
+
+def test_reward_error_surfaces_from_a_ray_actor(tmp_path, chat_dir, ray_local):
+    task = make_task(tmp_path, chat_dir, {"_target_": "rlfw.rollout.rewards.math_reward"})
+    kwargs = scorer_kwargs(task, chat_dir, {"_target_": "rlfw.rollout.rewards.exact_match_reward", "pattern": "(a)(b)"})
+    with pytest.raises(RewardError, match="reward rlfw.rollout.rewards.exact_match_reward failed on prompt_id=0"):
+        remote_rewards(RemoteTask.remote(**kwargs), task, ["5"])

@@ -1,0 +1,446 @@
+"""The SGLang engine against SGLang's HTTP API, with a stand-in server, since SGLang cannot run on these machines.
+
+What runs for real here: rlfw's client, engine and launcher code; HTTP over loopback; server processes started by
+Ray actors with rlfw's command line and killed with real signals; HF checkpoints written to disk and loaded by the
+servers; generation, tokens and log-probs computed by ``LocalEngine`` inside the stand-in
+(``fake_sglang_server.py``), which speaks SGLang 0.5.23's request and response JSON for ``/generate``,
+``/update_weights_from_disk``, ``/health_generate`` and ``/model_info``, refuses fields SGLang would not know, and
+can act as a router.
+
+What is NOT exercised against a real SGLang: SGLang's own sampling kernels and log-prob numerics (which follow
+SGLang's documented semantics: ``softmax(logits / temperature)`` before top-p, as ``LocalEngine``), its
+``sampling_seed`` determinism (needs ``--enable-deterministic-inference``), its start-up on GPUs (CUDA graphs,
+memory fraction, tensor parallelism across Ray-assigned GPUs), the real ``sglang.launch_server`` flag parser, the
+real SGLang router, and how long a real server takes to start or reload weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from rlfw.config import ConfigError, register_configs, validate
+from rlfw.config.schema import ClusterConfig, SGLangConfig
+from rlfw.megatron.model import ModelShape
+from rlfw.rollout.engines.local import LocalEngine
+from rlfw.rollout.engines.sglang import SGLangEngine, save_server_checkpoint
+from rlfw.rollout.engines.sglang_client import (
+    ServerError,
+    generate_payload,
+    parse_generations,
+    request_seeds,
+)
+from rlfw.rollout.engines.sglang_server import launch_argv
+from rlfw.rollout.types import Generation, SamplingParams
+
+torch.set_num_threads(1)
+register_configs()
+
+FAKE_SERVER = str(Path(__file__).with_name("fake_sglang_server.py"))
+SHAPE = ModelShape(
+    num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128, vocab_size=16,
+    max_seq_len=64,
+)  # fmt: skip
+EOS = 2
+PROMPTS = [[1, 5, 6, 7, 3], [1, 9, 3], [1, 4, 4, 4, 4, 4, 4, 3], [1, 8, 3]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
+
+
+def random_state(seed: int) -> dict[str, torch.Tensor]:
+    """HF-named weights, larger than HF's init so that logits are far from uniform."""
+    names = LocalEngine(SHAPE, EOS, 0, seed=0).model.state_dict()
+    generator = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=generator) * 0.5 for k, v in names.items()}
+
+
+STATE_A, STATE_B = random_state(1), random_state(2)
+
+
+def reference(state, prompts, params) -> list[Generation]:
+    """What LocalEngine generates with these weights; with a seed, request by request as the servers do."""
+    engine = LocalEngine(SHAPE, EOS, 0, seed=0)
+    engine.update_weights(state, version=0)
+    if params.seed is None:
+        return engine.generate(prompts, params)
+    seeds = request_seeds(params.seed, len(prompts))
+    return [engine.generate([p], replace(params, seed=s))[0] for p, s in zip(prompts, seeds)]
+
+
+def assert_same(generations, expected, version):
+    assert [g.response_ids for g in generations] == [e.response_ids for e in expected]
+    assert [g.finish_reason for g in generations] == [e.finish_reason for e in expected]
+    for g, e in zip(generations, expected):
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), rtol=0, atol=1e-5)
+    assert {g.weight_version for g in generations} == {version}
+
+
+def free_ports(count: int) -> int:
+    """A base port with ``count`` free ports after it (loopback; probed, so a test-only helper)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count < 65536 and all(_is_free(base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no run of free ports found")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(predicate, what: str, deadline_s: float = 120.0):
+    """Poll until ``predicate()`` is truthy (readiness of real processes, not a timing assertion)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def sglang_cfg(**overrides) -> SGLangConfig:
+    fast = {"startup_timeout_s": 120.0, "request_timeout_s": 60.0, "weight_update_timeout_s": 60.0,
+            "control_timeout_s": 10.0, "max_retries": 2, "retry_backoff_s": 0.05}
+    return SGLangConfig(**{**fast, **overrides})
+
+
+def start_fake(tmp_path: Path, name: str, port: int, *args: str) -> subprocess.Popen:
+    with open(tmp_path / f"{name}.log", "ab") as log:  # the child keeps its own handle
+        process = subprocess.Popen(
+            [sys.executable, FAKE_SERVER, "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", *args],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: process.poll() is not None or _healthy(url), f"{name} to start")
+    assert process.poll() is None, (tmp_path / f"{name}.log").read_text()
+    return process
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return requests.get(url + "/health_generate", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+# --- the wire format ---------------------------------------------------------------------------------------------
+
+
+def test_payload_uses_sglang_field_names():
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5)
+    payload = generate_payload([[1, 2], [1, 2]], params, [EOS], seeds=None)
+    assert payload == {
+        "input_ids": [[1, 2], [1, 2]],
+        "sampling_params": {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 5, "stop_token_ids": [EOS]},
+        "return_logprob": True,
+    }
+    seeded = generate_payload([[1, 2], [1, 2]], params, [EOS], seeds=request_seeds(11, 2))
+    first, second = seeded["sampling_params"]
+    # The samples of one group share a prompt but not a seed, else a deterministic server repeats one sample.
+    assert first["sampling_seed"] != second["sampling_seed"]
+    assert request_seeds(11, 2) == request_seeds(11, 2)
+
+
+# One answer of SGLang 0.5.23's /generate for a batch of two (meta_info abridged to what rlfw reads and a few more).
+SGLANG_ANSWER = [
+    {"output_ids": [5, 2], "meta_info": {
+        "id": "a1", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "weight_version": "7",
+        "completion_tokens": 2, "cached_tokens": 0, "output_token_logprobs": [[-0.5, 5, None], [-1.25, 2, None]]}},
+    {"output_ids": [9], "meta_info": {
+        "id": "a2", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 4, "weight_version": "7",
+        "completion_tokens": 1, "cached_tokens": 0, "output_token_logprobs": [[-2.0, 9, None]]}},
+]  # fmt: skip
+
+
+def test_parse_sglang_answer():
+    assert parse_generations("http://s", SGLANG_ANSWER, 2, "7") == [
+        Generation([5, 2], [-0.5, -1.25], "stop", weight_version=7),
+        Generation([9], [-2.0], "length", weight_version=7),
+    ]
+
+
+@pytest.mark.parametrize(
+    "mutate,expected",
+    [
+        (lambda a: a[0]["meta_info"].update(weight_version="6"), "weight version '6', expected '7'"),
+        (lambda a: a[1]["meta_info"].update(finish_reason={"type": "abort", "message": "oom"}), "aborted.*oom"),
+        (lambda a: a.pop(), "answered 1 items for 2 prompts"),
+        (lambda a: a[0]["meta_info"].pop("output_token_logprobs"), "lacks"),
+    ],
+)
+def test_parse_refuses_stale_aborted_or_garbled_answers(mutate, expected):
+    answer = json.loads(json.dumps(SGLANG_ANSWER))
+    mutate(answer)
+    with pytest.raises(ServerError, match=expected):
+        parse_generations("http://s", answer, 2, "7")
+
+
+def test_launch_command_line():
+    argv = launch_argv(["{python}", "-m", "sglang.launch_server"], "/ckpt/v3", "127.0.0.1", 30001, 2, "3", 9,
+                       ["--mem-fraction-static", "0.7"])
+    assert argv == [sys.executable, "-m", "sglang.launch_server", "--model-path", "/ckpt/v3", "--host", "127.0.0.1",
+                    "--port", "30001", "--tp-size", "2", "--weight-version", "3", "--random-seed", "9",
+                    "--skip-tokenizer-init", "--mem-fraction-static", "0.7"]
+
+
+# --- config --------------------------------------------------------------------------------------------------------
+
+
+def compose(*overrides):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    conf = str(Path(__file__).resolve().parents[2] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=["rollout=sglang", *overrides])
+
+
+def test_sglang_config_is_accepted():
+    validate(compose())
+    validate(compose("rollout.sglang.urls=[http://127.0.0.1:30000,http://127.0.0.1:30001]", "rollout.num_engines=2",
+                     "rollout.sglang.router_url=http://127.0.0.1:29000"))
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["rollout.sglang.urls=[127.0.0.1:30000]"], "rollout.sglang.urls"),
+        (["rollout.sglang.urls=[http://127.0.0.1:1,http://127.0.0.1:2]"], "rollout.num_engines"),
+        (["rollout.sglang.router_url=http://127.0.0.1:29000"], "rollout.sglang.router_url"),
+        (["rollout.sglang.weight_sync=tensor"], "rollout.sglang.weight_sync"),
+        (["rollout.sglang.base_port=65535", "rollout.num_engines=2"], "rollout.sglang.base_port"),
+        (["rollout.sglang.startup_timeout_s=0"], "rollout.sglang.startup_timeout_s"),
+        (["rollout.sglang.max_retries=-1"], "rollout.sglang.max_retries"),
+        (["rollout.sglang.launch_command=[]"], "rollout.sglang.launch_command"),
+    ],
+)
+def test_bad_sglang_config_names_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(compose(*overrides))
+
+
+def test_tensor_push_is_not_implemented(tmp_path):
+    with pytest.raises(NotImplementedError, match="weight_sync='distributed'"):
+        SGLangEngine(sglang_cfg(weight_sync="distributed"), SHAPE, EOS, 0, 0, "127.0.0.1", tmp_path)
+
+
+# --- attach mode: a running server ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A stand-in server started by hand from a checkpoint, as a user starts SGLang before attaching rlfw."""
+    tmp = tmp_path_factory.mktemp("server")
+    model = save_server_checkpoint(tmp / "initial", STATE_B, SHAPE, EOS)
+    port = free_ports(1)
+    process = start_fake(tmp, "server", port, "--model-path", str(model), "--weight-version", "initial",
+                         "--fake-events", str(tmp / "events.jsonl"))
+    yield {"url": f"http://127.0.0.1:{port}", "events": tmp / "events.jsonl", "process": process}
+    process.kill()
+    process.wait()
+
+
+def attached(tmp_path, url, **overrides) -> SGLangEngine:
+    return SGLangEngine(sglang_cfg(urls=[url], **overrides), SHAPE, EOS, 0, 0, "127.0.0.1", tmp_path / "engine_0")
+
+
+def test_generations_match_local_engine(server, tmp_path):
+    engine = attached(tmp_path, server["url"])
+    engine.update_weights(STATE_A, version=1)
+    prompts = [p for p in PROMPTS for _ in range(2)]  # two samples per prompt
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10, seed=7)
+
+    generations = engine.generate(prompts, params)
+
+    assert_same(generations, reference(STATE_A, prompts, params), version=1)
+    body = [e["body"] for e in events(server["events"]) if e.get("path") == "/generate"][-1]
+    assert set(body) == {"input_ids", "sampling_params", "return_logprob"}
+    assert body["input_ids"] == prompts and body["return_logprob"] is True
+    assert [sp["stop_token_ids"] for sp in body["sampling_params"]] == [[EOS]] * len(prompts)
+
+
+def test_weight_update_changes_outputs_and_version(server, tmp_path):
+    engine = attached(tmp_path, server["url"])
+    engine.update_weights(STATE_A, version=4)
+    before = engine.generate(PROMPTS, GREEDY)
+    engine.update_weights(STATE_B, version=5)
+    after = engine.generate(PROMPTS, GREEDY)
+
+    assert_same(before, reference(STATE_A, PROMPTS, GREEDY), version=4)
+    assert_same(after, reference(STATE_B, PROMPTS, GREEDY), version=5)
+    assert [g.response_ids for g in before] != [g.response_ids for g in after]
+    info = requests.get(server["url"] + "/model_info", timeout=10).json()
+    assert info["weight_version"] == "5" and info["model_path"] == str(tmp_path / "engine_0" / "v5")
+    assert not (tmp_path / "engine_0" / "v4").exists()  # the previous checkpoint is gone once v5 is loaded
+
+
+def test_server_with_other_weights_is_reloaded_before_it_answers(server, tmp_path):
+    engine = attached(tmp_path, server["url"])
+    engine.update_weights(STATE_A, version=6)
+    # Behind rlfw's back the server gets other weights (say its supervisor restarted it from an old checkpoint).
+    other = save_server_checkpoint(tmp_path / "other", STATE_B, SHAPE, EOS)
+    response = requests.post(server["url"] + "/update_weights_from_disk",
+                             json={"model_path": str(other), "weight_version": "99"}, timeout=30)
+    assert response.json()["success"] is True
+
+    generations = engine.generate(PROMPTS, GREEDY)
+
+    assert_same(generations, reference(STATE_A, PROMPTS, GREEDY), version=6)
+    loads = [e["body"]["weight_version"] for e in events(server["events"])
+             if e.get("path") == "/update_weights_from_disk"]
+    assert loads[-2:] == ["99", "6"]  # the stale answer made the engine reload v6
+
+
+def test_generation_through_a_router(server, tmp_path):
+    port = free_ports(1)
+    router = start_fake(tmp_path, "router", port, "--fake-router-for", server["url"],
+                        "--fake-events", str(tmp_path / "router.jsonl"))
+    try:
+        engine = attached(tmp_path, server["url"], router_url=f"http://127.0.0.1:{port}")
+        engine.update_weights(STATE_B, version=8)
+        generations = engine.generate(PROMPTS, GREEDY)
+    finally:
+        router.kill()
+        router.wait()
+    assert_same(generations, reference(STATE_B, PROMPTS, GREEDY), version=8)
+    assert [e["path"] for e in events(tmp_path / "router.jsonl") if e.get("method") == "POST"] == ["/generate"]
+
+
+def test_dead_attached_server_gives_a_clear_error(tmp_path):
+    model = save_server_checkpoint(tmp_path / "initial", STATE_A, SHAPE, EOS)
+    port = free_ports(1)
+    process = start_fake(tmp_path, "doomed", port, "--model-path", str(model))
+    engine = attached(tmp_path, f"http://127.0.0.1:{port}")
+    engine.update_weights(STATE_A, version=1)
+    process.kill()
+    process.wait()
+    with pytest.raises(RuntimeError, match=rf"SGLang engine 0 at http://127.0.0.1:{port} gave up: .*health check"):
+        engine.generate(PROMPTS, GREEDY)
+
+
+# --- launch mode: servers started by Ray actors ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    from rlfw.cluster.ray_cluster import start_ray
+
+    start_ray(ClusterConfig(num_cpus=2))
+    yield
+    ray.shutdown()
+
+
+def launch_cfg(tmp_path: Path, base_port: int, *extra: str, **overrides) -> SGLangConfig:
+    return sglang_cfg(launch_command=["{python}", FAKE_SERVER], base_port=base_port, gpus_per_engine=0,
+                      extra_args=["--fake-spawn-child", "--fake-events", str(tmp_path / "events.jsonl"), *extra],
+                      **overrides)
+
+
+@pytest.mark.e2e
+def test_server_that_never_becomes_healthy_fails_naming_it(ray_cluster, tmp_path):
+    port = free_ports(1)
+    engine = SGLangEngine(launch_cfg(tmp_path, port, "--fake-never-healthy", startup_timeout_s=3.0),
+                          SHAPE, EOS, 0, 0, "127.0.0.1", tmp_path / "engine_0")
+    with pytest.raises(RuntimeError) as error:
+        engine.update_weights(STATE_A, version=1)
+    message = str(error.value)
+    assert f"SGLang engine 0 at http://127.0.0.1:{port} did not become healthy within " \
+           "rollout.sglang.startup_timeout_s=3.0s" in message
+    # The last health check's answer (refused while it starts, 503 once it listens) and the tail of its log, which
+    # begins with the command line it was started with.
+    assert "(last check: " in message and str(tmp_path / "engine_0" / "sglang_server.log") in message
+    assert "SGLang engine 0: " in message and "--fake-never-healthy" in message
+    # Stopped, with the child it may have forked by then.
+    children = [e["child_pid"] for e in events(tmp_path / "events.jsonl") if e["event"] == "started"]
+    for pid in [engine.server_pid, *children]:
+        wait_for(lambda pid=pid: not alive(pid), f"process {pid} to end")
+
+
+@pytest.mark.e2e
+def test_server_that_exits_at_start_fails_with_its_log(ray_cluster, tmp_path):
+    engine = SGLangEngine(launch_cfg(tmp_path, free_ports(1), "--no-such-flag"), SHAPE, EOS, 0, 0, "127.0.0.1",
+                          tmp_path / "engine_0")
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 2 while waiting to start.*unrecognized arguments"):
+        engine.update_weights(STATE_A, version=1)
+
+
+@pytest.mark.e2e
+def test_killed_server_batch_is_resent_and_server_restarted_with_current_weights(ray_cluster, tmp_path):
+    import ray
+
+    from rlfw.rollout.engines.pool import EnginePool
+
+    base_port = free_ports(2)
+    hang = tmp_path / "hang-once"
+    cfg = launch_cfg(tmp_path, base_port, "--fake-hang-once", str(hang))
+
+    def start_engine(index: int, incarnation: int):
+        return ray.remote(SGLangEngine).options(num_cpus=0).remote(
+            cfg, SHAPE, EOS, seed=index + 10 * incarnation, index=index, host="127.0.0.1",
+            workdir=tmp_path / "rollout" / f"engine_{index}")
+
+    pool = EnginePool(start_engine, num_engines=2, max_inflight=0, max_restarts=2)
+    try:
+        pool.update_weights(STATE_A, version=1)
+        pool.update_weights(STATE_B, version=2)
+        hang.touch()  # the first /generate to arrive hangs until its server is killed
+        with ThreadPoolExecutor(1) as thread:
+            running = thread.submit(pool.generate, PROMPTS, GREEDY)
+            [hung] = wait_for(lambda: [e for e in events(tmp_path / "events.jsonl") if e["event"] == "hang"],
+                              "a server to hang in /generate")
+            os.kill(hung["pid"], signal.SIGKILL)
+            generations = running.result(timeout=600)
+
+        assert_same(generations, reference(STATE_B, PROMPTS, GREEDY), version=2)
+        log = events(tmp_path / "events.jsonl")
+        at_hang = log.index(hung)
+        hung_batch = [e for e in log[:at_hang] if e.get("path") == "/generate" and e["port"] == hung["port"]][-1]
+        resent = [e for e in log[at_hang:] if e.get("path") == "/generate"
+                  and e["body"]["input_ids"] == hung_batch["body"]["input_ids"]]
+        assert resent, "the killed server's batch was not sent again"
+        # The replacement server started from the current checkpoint (v2) before it served anything.
+        [restarted] = [e for e in log[at_hang:] if e["event"] == "started"]
+        assert restarted["port"] == hung["port"] and restarted["pid"] != hung["pid"]
+        assert restarted["argv"][restarted["argv"].index("--weight-version") + 1] == "2"
+        model_path = restarted["argv"][restarted["argv"].index("--model-path") + 1]
+        assert model_path == str(tmp_path / "rollout" / f"engine_{hung['port'] - base_port}" / "v2")
+        assert pool.restarts == 1
+    finally:
+        pool.shutdown()
+    starts = [e for e in events(tmp_path / "events.jsonl") if e["event"] == "started"]
+    assert len(starts) == 3
+    for pid in [e["pid"] for e in starts] + [e["child_pid"] for e in starts]:
+        wait_for(lambda pid=pid: not alive(pid), f"process {pid} to end")  # no server or child outlives the pool
