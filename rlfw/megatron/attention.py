@@ -7,36 +7,43 @@ fused kernel (flash / memory-efficient on CUDA).
 
 Inputs are what Megatron's ``SelfAttention`` passes to core attention: ``query`` ``[sq, b, np, hn]``, ``key`` and
 ``value`` ``[sk, b, ng, hn]`` (``ng`` query groups, GQA when ``ng < np``), an optional boolean ``attention_mask``
-(True = masked, broadcastable to ``[b, 1, sq, sk]``), ``attn_mask_type`` and, for THD packing, ``packed_seq_params``
-(then ``query`` is ``[t, np, hn]``). The output is ``[sq, b, np * hn]`` (``[t, np * hn]`` for THD), as Megatron's.
+(True = masked, broadcastable to ``[b, 1, sq, sk]``), ``attn_mask_type`` and ``packed_seq_params``. The output is
+``[sq, b, np * hn]``, as Megatron's.
+
+Packed sequences come as offsets, never as a mask: ``packed_seq_params`` carries cumulative sequence lengths
+(``cu_seqlens``), and each sequence runs causal attention on its own, through
+``torch.nn.attention.varlen.varlen_attn`` (flash, variable length) on CUDA in bf16/fp16, else one causal SDPA call
+per sequence. Two layouts: ``PackedRow`` (``qkv_format="sbhd"``: one ``[T, 1]`` row, the layout rlfw's packing
+uses, see its docstring) and Megatron's THD (``qkv_format="thd"``: ``query`` ``[t, np, hn]``, output
+``[t, np * hn]``).
 
 Masks follow Megatron's unfused path exactly: a given mask is the whole truth (the mask type only matters when no
-mask is given). rlfw's packed rows carry a block-diagonal causal mask; it is recognised (once per mask tensor, shared
-by all layers) and turned into per-sequence boundaries, so each packed sequence runs causal attention on its own:
-through ``torch.nn.attention.varlen.varlen_attn`` (flash, variable length) on CUDA in bf16/fp16, else one causal SDPA
-call per sequence; a row holding a single sequence is plain causal SDPA (``is_causal``). Any other mask goes to
-SDPA as an explicit boolean mask (SDPA's convention is the opposite: True = attend). Rows whose mask hides every
-key are not supported (SDPA returns NaN there; Megatron a uniform mix).
+mask is given). A block-diagonal causal mask (what a caller packing rows for Megatron's own attention builds) is
+recognised once per mask tensor and turned into offsets; any other mask goes to SDPA as an explicit boolean mask
+(SDPA's convention is the opposite: True = attend). Rows whose mask hides every key are not supported (SDPA returns
+NaN there; Megatron a uniform mix).
 
-``PACKED_IMPL`` (environment ``RLFW_SDPA_PACKED``) forces the packed-row path: ``auto`` (varlen where usable, else
-per sequence), ``varlen``, ``loop`` (per-sequence SDPA) or ``mask`` (one SDPA call with the explicit mask).
+``PACKED_IMPL`` (environment ``RLFW_SDPA_PACKED``) forces the path of packed sequences: ``auto`` (varlen where
+usable, else per sequence), ``varlen``, ``loop`` (per-sequence SDPA) or ``mask`` (a recognised block mask goes to
+SDPA as it is).
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import os
 import weakref
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
 from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
 
 PACKED_IMPL = os.environ.get("RLFW_SDPA_PACKED", "auto")
 # Where torch's varlen API has no ``enable_gqa`` argument (torch 2.10/2.11), grouped K/V go to the flash kernel as
@@ -103,6 +110,27 @@ def _repeat_kv(x: Tensor, heads: int, dim: int) -> Tensor:
     return x if groups == heads else x.repeat_interleave(heads // groups, dim=dim)
 
 
+# ------------------------------------------------------------------------------------------ packed rows
+@dataclass
+class PackedRow(PackedSeqParams):
+    """Sequences packed back to back in one ``[T, 1]`` row: Megatron's ``packed_seq_params`` for ``SDPAttention``.
+
+    Megatron hands ``packed_seq_params`` to core attention whatever its format. With ``qkv_format="sbhd"`` it keeps
+    the row's ``[s, b, ...]`` layout and applies RoPE along the row (``max_seqlen_q`` = T is the RoPE table's
+    length); that is the same function per sequence, because RoPE scores depend only on relative positions. Its THD
+    format would apply RoPE per sequence instead, with a host sync and a Python loop in every layer (megatron-core
+    0.16-0.19 without Transformer Engine). ``longest`` (the longest packed sequence) bounds the varlen kernel's grid.
+    """
+
+    longest: int = 0
+
+
+def packed_row(cu_seqlens: Tensor, longest: int, row_len: int) -> PackedRow:
+    """``PackedRow`` for a row of ``row_len`` tokens whose sequences start at ``cu_seqlens[:-1]`` (int32)."""
+    return PackedRow(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=row_len,
+                     max_seqlen_kv=row_len, longest=longest)
+
+
 # ----------------------------------------------------------------------------------- packed-row recognition
 _SEGMENTS: dict = {}  # id(mask) -> (weakref(mask), mask._version, segments); a handful of recent masks
 _CU_SEQLENS: dict = {}  # (id(mask), rows, device) -> (weakref(mask), mask._version, (cu_seqlens, longest))
@@ -119,14 +147,14 @@ def _cached(cache: dict, key, mask: Tensor, compute):
     return value
 
 
-def packed_cu_seqlens(mask: Tensor, lengths: List[int], rows: int, device) -> Tuple[Tensor, int]:
+def packed_cu_seqlens(mask: Tensor, lengths: list[int], rows: int, device) -> tuple[Tensor, int]:
     """``segments_to_cu_seqlens`` on ``device``, cached per mask like the segments: every layer reuses one device
     tensor (a host-to-device copy from pageable memory per layer would synchronise the stream each time)."""
     return _cached(_CU_SEQLENS, (id(mask), rows, str(device)), mask,
                    lambda: segments_to_cu_seqlens(lengths, device))
 
 
-def block_causal_segments(mask: Tensor) -> Optional[List[List[int]]]:
+def block_causal_segments(mask: Tensor) -> list[list[int]] | None:
     """Per batch row of ``mask`` (bool ``[mb, 1, T, T]``, True = masked), the lengths of the sequences packed back to
     back, if the mask is exactly block-diagonal causal; None otherwise. Cached per mask tensor (all layers of one
     forward share it), so the check and its host sync happen once per micro-batch."""
@@ -136,7 +164,7 @@ def block_causal_segments(mask: Tensor) -> Optional[List[List[int]]]:
 
 
 @torch.no_grad()
-def _find_segments(mask: Tensor) -> Optional[List[List[int]]]:
+def _find_segments(mask: Tensor) -> list[list[int]] | None:
     T = mask.size(-1)
     allowed = ~mask[:, 0]  # [mb, T, T]
     # Row i of a block-diagonal causal mask allows exactly the columns start(i)..i; start(i) = first allowed column.
@@ -154,7 +182,7 @@ def _find_segments(mask: Tensor) -> Optional[List[List[int]]]:
     segments = []
     for row in host[1:].view(-1, T):
         starts = row.nonzero().flatten().tolist() + [T]
-        segments.append([b - a for a, b in zip(starts[:-1], starts[1:])])
+        segments.append([b - a for a, b in itertools.pairwise(starts)])
     return segments
 
 
@@ -168,9 +196,9 @@ class SDPAttention(MegatronModule):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
         pg_collection=None,
         **_unused,
     ):
@@ -198,9 +226,9 @@ class SDPAttention(MegatronModule):
         query: Tensor,
         key: Tensor,
         value: Tensor,
-        attention_mask: Optional[Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[Tensor] = None,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
         packed_seq_params=None,
         **extra,
     ) -> Tensor:
@@ -218,7 +246,7 @@ class SDPAttention(MegatronModule):
     # ------------------------------------------------------------------------------------------------ paths
     def _attend(self, query, key, value, attention_mask, mask_type, packed_seq_params, dropout_p) -> Tensor:
         if packed_seq_params is not None:
-            return self._thd(query, key, value, mask_type, packed_seq_params, dropout_p)
+            return self._offsets(query, key, value, mask_type, packed_seq_params, dropout_p)
         sq, b = query.shape[:2]
         sk = key.size(0)
         if attention_mask is None:
@@ -236,9 +264,13 @@ class SDPAttention(MegatronModule):
             segments = segments * b
         if PACKED_IMPL == "auto" and all(len(row) == 1 for row in segments):  # plain causal rows
             return self._sdpa(query, key, value, None, sq > 1, dropout_p)
-        return self._packed(query, key, value, segments, dropout_p, attention_mask)
+        # rows one after another: [b * T, h, d]
+        q, k, v = (x.transpose(0, 1).reshape(b * sq, x.size(2), x.size(3)) for x in (query, key, value))
+        cu, longest = packed_cu_seqlens(attention_mask, [n for row in segments for n in row], b, q.device)
+        out = self._by_offsets(q, k, v, cu, cu, longest, longest, True, dropout_p)  # [b * T, h * d]
+        return out.view(b, sq, -1).transpose(0, 1).contiguous()
 
-    def _sdpa(self, query, key, value, keep: Optional[Tensor], is_causal: bool, dropout_p: float) -> Tensor:
+    def _sdpa(self, query, key, value, keep: Tensor | None, is_causal: bool, dropout_p: float) -> Tensor:
         """One SDPA call on ``[s, b, h, d]`` inputs; ``keep`` is a bool mask with True = attend."""
         sq, b, np_, hn = query.shape
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
@@ -253,64 +285,48 @@ class SDPAttention(MegatronModule):
         )  # [b, h, sq, d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
-    def _packed(self, query, key, value, segments: List[List[int]], dropout_p: float, mask=None) -> Tensor:
-        """Causal attention within each packed sequence; ``segments[r]`` are batch row r's sequence lengths."""
-        sq, b, np_, hn = query.shape
-        lengths = [n for row in segments for n in row]
-        if b == 1:
-            q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [T, h, d]
-        else:  # rows one after another: [b * T, h, d]
-            q, k, v = (x.transpose(0, 1).reshape(b * sq, x.size(2), hn) for x in (query, key, value))
-        use_varlen = PACKED_IMPL == "varlen" or (PACKED_IMPL == "auto" and varlen_usable(q, dropout_p))
-        if use_varlen:
-            if mask is not None:
-                cu, longest = packed_cu_seqlens(mask, lengths, b, q.device)
-            else:
-                cu, longest = segments_to_cu_seqlens(lengths, q.device)
-            out = _run_varlen(q, k, v, cu, cu, longest, longest, True, self.softmax_scale)  # [t, h, d]
-        else:
-            outs, offset = [], 0
-            for n in lengths:
-                s = slice(offset, offset + n)
-                outs.append(self._sdpa(q[s].unsqueeze(1), k[s].unsqueeze(1), v[s].unsqueeze(1), None, n > 1,
-                                       dropout_p))  # [n, 1, h*d]
-                offset += n
-            out = torch.cat(outs, dim=0)
-        if b == 1:
-            return out.reshape(sq, 1, np_ * hn)
-        return out.reshape(b, sq, np_ * hn).transpose(0, 1).contiguous()
-
-    def _thd(self, query, key, value, mask_type, params, dropout_p) -> Tensor:
-        """THD packing (``query`` ``[t, np, hn]``) with cumulative sequence lengths from ``packed_seq_params``."""
-        if getattr(params, "qkv_format", "thd") != "thd":
-            raise NotImplementedError(f"SDPAttention: packed_seq_params with qkv_format={params.qkv_format!r}")
+    def _offsets(self, query, key, value, mask_type, params, dropout_p) -> Tensor:
+        """Sequences delimited by ``params.cu_seqlens_*``: a ``PackedRow`` (``[T, 1, ...]``) or THD (``[t, ...]``)."""
+        fmt = getattr(params, "qkv_format", "thd")
         for padded, plain in (("cu_seqlens_q_padded", "cu_seqlens_q"), ("cu_seqlens_kv_padded", "cu_seqlens_kv")):
             p = getattr(params, padded, None)
             if p is not None and not torch.equal(p, getattr(params, plain)):
-                raise NotImplementedError("SDPAttention: padded THD sequences are not supported")
+                raise NotImplementedError("SDPAttention: padded packed sequences are not supported")
         causal = mask_type in _CAUSAL_TYPES
-        cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_kv
-        t, np_, hn = query.shape
-        if varlen_usable(query, dropout_p) and PACKED_IMPL in ("auto", "varlen"):
-            max_q = params.max_seqlen_q or int((cu_q[1:] - cu_q[:-1]).max())
-            max_k = params.max_seqlen_kv or int((cu_k[1:] - cu_k[:-1]).max())
-            out = _run_varlen(query, key, value, cu_q.int(), cu_k.int(), int(max_q), int(max_k), causal,
-                              self.softmax_scale)
+        max_q, max_k = params.max_seqlen_q, params.max_seqlen_kv
+        if fmt == "sbhd":
+            if query.size(1) != 1:
+                raise NotImplementedError(f"SDPAttention: a packed row has batch size 1, not {query.size(1)}")
+            query, key, value = query[:, 0], key[:, 0], value[:, 0]
+            max_q = max_k = getattr(params, "longest", 0) or max_q
+        elif fmt != "thd":
+            raise NotImplementedError(f"SDPAttention: packed_seq_params with qkv_format={fmt!r}")
+        out = self._by_offsets(query, key, value, params.cu_seqlens_q, params.cu_seqlens_kv, max_q, max_k, causal,
+                               dropout_p)  # [t, h * d]
+        return out.unsqueeze(1) if fmt == "sbhd" else out
+
+    def _by_offsets(self, q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, dropout_p: float) -> Tensor:
+        """Attention of ``[t, h, d]`` sequences packed back to back (``cu_*``: int32 offsets) -> ``[t, h * d]``."""
+        t, np_, hn = q.shape
+        if PACKED_IMPL in ("auto", "varlen") and varlen_usable(q, dropout_p):
+            max_q = max_q or int((cu_q[1:] - cu_q[:-1]).max())
+            max_k = max_k or int((cu_k[1:] - cu_k[:-1]).max())
+            out = _run_varlen(q, k, v, cu_q.int(), cu_k.int(), int(max_q), int(max_k), causal, self.softmax_scale)
             return out.reshape(t, np_ * hn)
         bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
         outs = []
-        for (q0, q1), (k0, k1) in zip(zip(bounds_q[:-1], bounds_q[1:]), zip(bounds_k[:-1], bounds_k[1:])):
-            q, k, v = query[q0:q1].unsqueeze(1), key[k0:k1].unsqueeze(1), value[k0:k1].unsqueeze(1)
+        for (q0, q1), (k0, k1) in zip(itertools.pairwise(bounds_q), itertools.pairwise(bounds_k)):
+            qs, ks, vs = q[q0:q1].unsqueeze(1), k[k0:k1].unsqueeze(1), v[k0:k1].unsqueeze(1)
             n_q, n_k = q1 - q0, k1 - k0
             if causal and n_q != n_k:
-                keep = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril(diagonal=n_k - n_q)
-                outs.append(self._sdpa(q, k, v, keep, False, dropout_p))
+                keep = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
+                outs.append(self._sdpa(qs, ks, vs, keep, False, dropout_p))
             else:
-                outs.append(self._sdpa(q, k, v, None, causal and n_q > 1, dropout_p))
+                outs.append(self._sdpa(qs, ks, vs, None, causal and n_q > 1, dropout_p))
         return torch.cat(outs, dim=0).reshape(t, np_ * hn)
 
 
-def segments_to_cu_seqlens(lengths: List[int], device=None) -> Tuple[Tensor, int]:
+def segments_to_cu_seqlens(lengths: list[int], device=None) -> tuple[Tensor, int]:
     """Cumulative sequence offsets (int32) and the longest length, as THD packing and varlen kernels take them."""
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)

@@ -1,4 +1,5 @@
-"""Packing samples into micro-batches: bins, the packed row's mask/positions/labels/weights, global loss weights."""
+"""Packing samples into micro-batches: bins, the packed row's offsets/mask/positions/labels/weights, global loss
+weights, and the copy to a device."""
 
 import random
 
@@ -8,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlfw.data.batch import DYNAMIC_GBS, RolloutBatch, split_batch
-from rlfw.megatron.packing import build_microbatch, microbatches, pack_by_token_budget, token_weights
+from rlfw.megatron.packing import (
+    block_causal_mask,
+    build_microbatch,
+    build_rows,
+    microbatches,
+    pack_by_token_budget,
+    token_weights,
+)
 
 torch.set_num_threads(1)
 
@@ -70,7 +78,7 @@ WEIGHTS = [0.25, 0.125, 0.0625]  # per batch index
 
 @pytest.fixture
 def mb():
-    return build_microbatch(make_batch(), ORDER, WEIGHTS)
+    return build_microbatch(make_batch(), ORDER, WEIGHTS, dense_mask=True)
 
 
 def spans():
@@ -91,6 +99,18 @@ def test_shapes_and_tokens(mb):
     assert mb.tokens[0].tolist() == [t for i in ORDER for t in batch.samples["tokens"][i]]
 
 
+def test_sequence_offsets_by_hand(mb):
+    # ORDER packs lengths 4, 3, 5: sequences start at 0, 4, 7; the row ends at 12
+    assert mb.cu_seqlens.tolist() == [0, 4, 7, 12] and mb.cu_seqlens.dtype == torch.int32
+    assert mb.max_seqlen == 5
+
+
+def test_no_dense_mask_unless_asked():
+    mb = build_microbatch(make_batch(), ORDER, WEIGHTS)
+    assert mb.attention_mask is None
+    assert mb.cu_seqlens.tolist() == [0, 4, 7, 12]
+
+
 def test_mask_is_block_diagonal_causal(mb):
     masked = mb.attention_mask[0, 0]
     seq_of = {}
@@ -103,6 +123,7 @@ def test_mask_is_block_diagonal_causal(mb):
             assert bool(masked[q, k]) == (not allowed), (q, k)
     # a token never attends to another sequence, and always to itself
     assert not masked.diagonal().any()
+    assert torch.equal(mb.attention_mask, block_causal_mask(torch.tensor([4, 3, 5])))
 
 
 def test_position_ids_restart_per_sequence(mb):
@@ -168,7 +189,7 @@ def random_batch(n, seed):
 
 @pytest.mark.parametrize("how", ["strided", "balanced"])
 @pytest.mark.parametrize("num_parts", [1, 2, 3])
-@pytest.mark.parametrize("loss_agg", ["token_mean", "sample_mean"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
 def test_weights_over_all_parts_sum_to_one(loss_agg, num_parts, how):
     whole = random_batch(11, seed=1)
     for mb in whole.minibatches(4):  # 4, 4, 3 samples: every minibatch normalises on its own
@@ -190,6 +211,30 @@ def test_token_and_sample_mean_weights_by_hand():
     part = batch.select([0, 2])  # a replica's share: the denominators stay global
     assert part.meta[DYNAMIC_GBS] == {"num_samples": 3, "num_tokens": 6}
     assert token_weights(part, "token_mean") == pytest.approx([1 / 6, 1 / 6])
-    assert token_weights(part, "sample_mean") == pytest.approx([1 / (2 * 3), 1 / (1 * 3)])
+    assert token_weights(part, "sample_mean") == pytest.approx([1 / 3, 1 / 3])
+    assert token_weights(part, "seq_mean_token_mean") == pytest.approx([1 / (2 * 3), 1 / (1 * 3)])
     with pytest.raises(ValueError, match="loss aggregation"):
         token_weights(part, "seq_mean_token_sum")
+
+
+
+def test_rows_are_built_lazily_and_match_microbatches():
+    batch = random_batch(9, seed=3)
+    batch.meta[DYNAMIC_GBS] = {"num_samples": 9, "num_tokens": batch.num_response_tokens()}
+    bins = pack_by_token_budget([len(t) for t in batch.samples["tokens"]], 24)
+    rows = build_rows(batch, bins, "token_mean")
+    assert not isinstance(rows, list)  # a generator: nothing is built before it is consumed
+    eager = microbatches(batch, 24, "token_mean")
+    assert [indices for indices, _ in eager] == bins
+    for row, (_, expected) in zip(rows, eager, strict=True):
+        for key, value in expected.__dict__.items():
+            got = getattr(row, key)
+            assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, key
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_to_device_keeps_every_field(mb, non_blocking):
+    moved = mb.to("cpu", non_blocking=non_blocking)
+    for key, value in mb.__dict__.items():
+        got = getattr(moved, key)
+        assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, key

@@ -1,8 +1,10 @@
 """SDPAttention computes what Megatron's unfused DotProductAttention computes (CPU, fp32).
 
 Same weights, two GPTModels that differ only in their core attention: logits (and gradients) agree within 1e-5 on
-packed rows with rlfw's block-diagonal causal mask, with GQA and without, and on other masks; the packed-row paths
-(per-sequence SDPA, one masked SDPA call, THD cu_seqlens) agree with each other.
+packed rows, given to SDPAttention as sequence offsets (``PackedRow``) and to Megatron as the block-diagonal causal
+mask, with GQA and without, and on other masks; the packed-row paths (offsets, a recognised mask, per-sequence SDPA,
+one masked SDPA call, THD cu_seqlens) agree with each other. Through the whole trainer: log-probs, losses and
+gradients are the same with and without packing, and with offsets or with dense masks.
 """
 
 import pytest
@@ -175,3 +177,132 @@ def test_bf16_model_keeps_norm_weights_in_bf16(megatron_world):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     fp32 = build_gpt(GQA, transformer_config(GQA), core_attention="sdpa")
     assert {p.dtype for p in fp32.parameters()} == {torch.float32}
+
+
+def offsets(lengths):
+    from rlfw.megatron.attention import packed_row, segments_to_cu_seqlens
+
+    cu, longest = segments_to_cu_seqlens(lengths)
+    return packed_row(cu, longest, sum(lengths))
+
+
+@pytest.mark.parametrize("shape", [GQA, MHA], ids=["gqa", "mha"])
+@pytest.mark.parametrize("impl", ["auto", "loop"])
+def test_packed_row_offsets_match_megatron_with_mask(megatron_world, shape, impl, monkeypatch):
+    """GPTModel.forward(packed_seq_params=PackedRow) with SDPAttention == Megatron's attention given the dense mask;
+    no mask reaches SDPAttention."""
+    from rlfw.megatron import attention
+
+    monkeypatch.setattr(attention, "PACKED_IMPL", impl)
+    reference, sdpa = build_pair(shape)
+    lengths = [7, 1, 12, 3, 9]
+    tokens, positions, mask = packed_row(lengths, shape.vocab_size, seed=7)
+    outs = []
+    for model, kwargs in ((reference, {"attention_mask": mask}),
+                          (sdpa, {"attention_mask": None, "packed_seq_params": offsets(lengths)})):
+        model.zero_grad()
+        logits = model(tokens, positions, **kwargs)
+        (logits.float() ** 2).mean().backward()
+        outs.append((logits.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+    (ref_logits, ref_grads), (logits, grads) = outs
+    assert_close(logits, ref_logits)
+    for k in ref_grads:
+        assert_close(grads[k], ref_grads[k])
+
+
+def test_packed_row_refuses_batches_and_unknown_formats(megatron_world):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from rlfw.megatron.attention import SDPAttention
+    from rlfw.megatron.model import transformer_config
+
+    module = SDPAttention(transformer_config(GQA), 1, AttnMaskType.causal, "self")
+    q, kv = torch.randn(6, 2, 4, 8), torch.randn(6, 2, 2, 8)
+    with pytest.raises(NotImplementedError, match="batch size 1"):
+        module(q, kv, kv, None, packed_seq_params=offsets([2, 4]))
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="qkv_format='bshd'"):
+        module(q[:, :1], kv[:, :1], kv[:, :1], None,
+               packed_seq_params=PackedSeqParams(qkv_format="bshd", cu_seqlens_q=cu, cu_seqlens_kv=cu))
+
+
+# ------------------------------------------------------------------------------------- through the trainer
+def trainer_batch(lengths, seed=0):
+    """A GRPO batch of sequences of ``lengths`` (prompts of 3 tokens) with old log-probs and advantages."""
+    import random
+
+    from rlfw.data.batch import DYNAMIC_GBS, RolloutBatch
+
+    rng = random.Random(seed)
+    samples = {"sample_id": [], "group_id": [], "tokens": [], "prompt_len": [], "advantage": [], "old_logprobs": []}
+    for i, n in enumerate(lengths):
+        samples["sample_id"].append(i)
+        samples["group_id"].append(i // 2)
+        samples["tokens"].append([rng.randrange(GQA.vocab_size) for _ in range(n)])
+        samples["prompt_len"].append(3)
+        samples["advantage"].append(rng.gauss(0.0, 1.0))
+        samples["old_logprobs"].append([-2.5 + rng.gauss(0.0, 0.1) for _ in range(n - 3)])
+    batch = RolloutBatch(samples, {"step": 0})
+    batch.meta[DYNAMIC_GBS] = {"num_samples": len(batch), "num_tokens": batch.num_response_tokens()}
+    return batch
+
+
+def make_trainer(core_attention, budget):
+    from rlfw.config.schema import AlgoConfig
+    from rlfw.megatron.policy import PolicyTrainer
+
+    algo = AlgoConfig(name="grpo", max_tokens_per_microbatch=budget)
+    return PolicyTrainer(GQA, algo, tp=1, temperature=1.0, device=torch.device("cpu"), init_seed=5,
+                         core_attention=core_attention)
+
+
+def test_trainer_same_with_and_without_packing(megatron_world):
+    """Lengths 17-24 under a 24-token budget give one sequence per row; under 128 tokens, rows of several sequences.
+    SDPAttention with offsets, packed or not, and Megatron's attention with dense masks: the same log-probs,
+    losses and gradients."""
+    lengths = [17, 24, 20, 18, 23, 19, 21, 22]
+    batch = trainer_batch(lengths)
+    runs = {}
+    for name, attention, budget in (("offsets packed", "sdpa", 128), ("offsets one per row", "sdpa", 24),
+                                    ("mask packed", "megatron", 128)):
+        trainer = make_trainer(attention, budget)
+        assert trainer.dense_mask == (attention == "megatron")
+        logprobs = trainer.logprobs(batch)["old_logprobs"]
+        trainer.zero_grad()
+        sums = trainer.forward_backward(batch)
+        grads = torch.cat([g.clone() for g in trainer.grad_buffers()])
+        runs[name] = (logprobs, sums["loss"], grads)
+    ref_lp, ref_loss, ref_grads = runs.pop("offsets one per row")
+    assert all(len(lp) == n - 3 for lp, n in zip(ref_lp, lengths))
+    for name, (logprobs, loss, grads) in runs.items():
+        for got, expected in zip(logprobs, ref_lp, strict=True):
+            assert_close(torch.tensor(got), torch.tensor(expected))
+        assert loss == pytest.approx(ref_loss, abs=ATOL), name
+        assert grads.abs().max() > 0
+        assert_close(grads, ref_grads)
+
+
+def test_fused_adam_matches_the_default_step(megatron_world):
+    """use_fused_adam switches Megatron's torch AdamW to the fused kernel: same update (to rounding)."""
+    from rlfw.megatron.policy import use_fused_adam
+
+    batch = trainer_batch([17, 24, 20, 18])
+    initial = make_trainer("sdpa", 128).named_weights()
+    weights = []
+    for fused in (False, True):
+        trainer = make_trainer("sdpa", 128)
+        if fused:
+            use_fused_adam(trainer.optimizer)
+        groups = [g for part in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+                  for g in part.optimizer.param_groups]
+        assert all(bool(g["fused"]) == fused for g in groups)
+        for _ in range(2):
+            trainer.zero_grad()
+            trainer.forward_backward(batch)
+            assert trainer.optimizer_step() is not None
+        weights.append(trainer.named_weights())
+    plain, fused = weights
+    assert all(not torch.equal(plain[k], initial[k]) for k in plain)  # every weight moved
+    for k in plain:
+        assert_close(fused[k], plain[k], atol=1e-6)

@@ -1,0 +1,126 @@
+"""``python -m bench.gpu``: the whole benchmark in one call (see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bench.gpu import attribution, checks, setup, steps
+from bench.gpu.data import packed_lengths, rollout_batch
+from bench.gpu.model import QWEN2_1P5B, TINY, matmul_rate, matmul_weights
+from bench.gpu.report import Results, log
+
+
+def main() -> None:
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(key, value)  # NVLink multicast stays off on the lent machines (read at NCCL's start)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "outputs/bench/gpu"))
+    parser.add_argument("--cpu-dry-run", action="store_true", help="tiny model on CPU, to test the script")
+    parser.add_argument("--rows", type=int, default=8, help="rows of --seq tokens per step")
+    parser.add_argument("--seq", type=int, default=4096, help="the longest sequence and the base token budget")
+    parser.add_argument("--budgets", default="8192,16384", help="larger token budgets per micro-batch to time")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip", default="", help="comma-separated: check,before,bare,profile")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+
+    dry = args.cpu_dry_run or not torch.cuda.is_available()
+    device = torch.device("cpu") if dry else torch.device("cuda", 0)
+    shape = TINY if dry else QWEN2_1P5B
+    seq = min(args.seq, shape.max_seq_len)
+    rows = 2 if dry else args.rows
+    budgets = [seq] + [int(b) * seq // args.seq for b in filter(None, args.budgets.split(","))]
+
+    import megatron.core
+
+    rate = None if dry else matmul_rate()
+    results = Results(Path(args.out), rate)
+    results.record(kind="env", date_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), torch=torch.__version__,
+                   megatron_core=megatron.core.__version__, python=sys.version.split()[0], device=str(device),
+                   gpu=None if dry else torch.cuda.get_device_name(0), shape=shape.__dict__,
+                   matmul_weights=matmul_weights(shape), matmul_tflops=rate / 1e12 if rate else None)
+    log(f"env: {json.dumps(results.rows[-1])}")
+
+    setup.init_world(device)
+    if "check" not in skip:
+        checks.check_packed_attention(shape, device, results)
+        setup.free()
+
+    rng = random.Random(0)
+    lengths = {"packed": packed_lengths(rng, rows, seq, lo=max(16, seq // 32), hi=seq // 2), "single": [seq] * rows}
+    batches = {"packed": rollout_batch(shape, lengths["packed"], seed=1),
+               "single": rollout_batch(shape, lengths["single"], seed=2)}
+    results.record(kind="data", **lengths)
+
+    trainer = setup.build_trainer(shape, device, bf16=not dry, budget=seq)
+    results.record(kind="build", dense_mask=trainer.dense_mask,
+                   adam=[{k: g[k] for k in ("fused", "foreach")} for g in setup.adam_groups(trainer)])
+
+    def timed(name, fn, data, **extra):
+        setup.free()  # and a fresh peak-memory count
+        try:
+            results.timing(name, shape, lengths[data], steps.repeat(fn, args.repeats), data=data, **extra)
+        except Exception as exc:  # noqa: BLE001  (one failed row must not lose the others)
+            traceback.print_exc()
+            results.failed(name, exc)
+
+    def rlfw(budget, data, new=True):
+        setup.use_path(trainer, new)
+        trainer.algo.max_tokens_per_microbatch = budget
+        return lambda: steps.rlfw_step(trainer, batches[data], device)
+
+    # Before / after at the base budget: dense masks + foreach Adam (the old path) vs offsets + fused Adam.
+    for data in ("packed", "single"):
+        if "before" not in skip:
+            timed(f"rlfw step {data} {seq}, masks + foreach Adam (before)", rlfw(seq, data, new=False), data)
+        timed(f"rlfw step {data} {seq}, offsets + fused Adam", rlfw(seq, data), data)
+    # Larger token budgets: the same sequences in fewer, longer rows.
+    for budget in budgets[1:]:
+        timed(f"rlfw step packed {budget}", rlfw(budget, "packed"), "packed", budget=budget)
+    # Bare Megatron on the same rows, prebuilt on the device.
+    setup.use_path(trainer, True)
+    if "bare" not in skip:
+        for budget in (budgets[0], budgets[-1]):
+            rows_on_device = steps.device_rows(batches["packed"], budget, device)
+            timed(f"bare Megatron step packed {budget}", lambda r=rows_on_device: steps.bare_step(trainer, r, device),
+                  "packed", budget=budget)
+            del rows_on_device
+    if "profile" not in skip:
+        out = Path(args.out)
+        best = budgets[-1]
+        best_rows = steps.device_rows(batches["packed"], best, device)
+        for name, fn in (("rlfw", rlfw(best, "packed")), ("bare", lambda: steps.bare_step(trainer, best_rows, device))):
+            try:
+                fn()
+                row = attribution.attribute(fn, device, out / f"profile_{name}_{best}.txt")
+                results.record(kind="profile", name=f"{name} step packed {best}", **row)
+                log(f"profile {name}: {row}")
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                results.failed(f"profile {name}", exc)
+
+    print()
+    if rate:
+        print(f"bf16 matmul (8192^3, random): {rate / 1e12:.1f} TFLOP/s")
+    for r in results.rows:
+        if r["kind"] in ("check", "profile", "error"):
+            print(r["kind"], ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                       for k, v in r.items() if k != "kind"))
+    print(results.table())
+    results.write_summary()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The one-rank world and the trainer under test, with switches back to the old path for before/after rows."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.distributed as dist
+
+from rlfw.config.schema import AlgoConfig
+
+
+def init_world(device: torch.device) -> None:
+    from megatron.core import parallel_state
+
+    from rlfw.cluster.store import serve_store
+
+    if device.type == "cpu":
+        from rlfw.megatron.cpu_compat import apply_cpu_compat
+
+        apply_cpu_compat()
+    else:
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=serve_store("127.0.0.1"), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+
+
+def build_trainer(shape, device: torch.device, bf16: bool, budget: int, attention: str = "sdpa"):
+    from rlfw.megatron.policy import PolicyTrainer
+
+    algo = AlgoConfig(name="grpo", lr=1e-6, adam_beta2=0.999, clip_eps_high=0.28, max_tokens_per_microbatch=budget)
+    return PolicyTrainer(shape, algo, tp=1, temperature=1.0, device=device, init_seed=0, bf16=bf16,
+                         core_attention=attention)
+
+
+def adam_groups(trainer) -> list[dict]:
+    parts = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+    return [g for part in parts for g in part.optimizer.param_groups]
+
+
+def use_path(trainer, new: bool) -> None:
+    """``new``: packed rows as sequence offsets and torch's fused Adam (what the trainer does on CUDA). Old: dense
+    T x T masks built on the host (SDPAttention recognises them and runs the same kernels) and the foreach Adam
+    that megatron-core picks without Transformer Engine or Apex."""
+    trainer.dense_mask = not new
+    for group in adam_groups(trainer):
+        group["fused"], group["foreach"] = (True, False) if new else (False, True)
+    # Adam's state starts afresh, so that its step counters live where each implementation keeps them (the fused
+    # kernel on the device, foreach on the host): the timed work is the same, the moments restart from zero.
+    for part in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        part.optimizer.state.clear()
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
