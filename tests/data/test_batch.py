@@ -15,7 +15,7 @@ from rlfw.loop import check_exactly_once, trained_sample_ids
 torch.set_num_threads(1)
 
 # Every per-sample key the system puts on a batch: the rollout manager's columns, the advantage, the trainer's
-# log-probs (attach_logprobs), and the reference log-probs when kl_coef > 0.
+# log-probs (attach_logprobs), and the reference log-probs when a KL term is on.
 PER_SAMPLE_KEYS = (
     "sample_id", "group_id", "tokens", "prompt_len", "reward", "rollout_logprobs", "truncated", "advantage",
     "old_logprobs", "ref_logprobs",

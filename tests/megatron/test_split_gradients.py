@@ -6,11 +6,11 @@ before, so the sum over parts is what the cross-replica all-reduce would compute
 """
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from rlfw.config.schema import AlgoConfig
 from rlfw.data.batch import RolloutBatch, split_batch
 from rlfw.megatron.model import ModelShape
 
@@ -27,10 +27,7 @@ def trainer(megatron_world):
 
     from rlfw.megatron.policy import PolicyTrainer
 
-    algo = SimpleNamespace(
-        lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, grad_clip=1.0, clip_eps_low=0.2,
-        clip_eps_high=0.28, kl_coef=0.0, loss_agg="token_mean", max_tokens_per_microbatch=64,
-    )
+    algo = AlgoConfig(name="grpo", lr=1e-3, adam_beta2=0.999, clip_eps_high=0.28, max_tokens_per_microbatch=64)
     return PolicyTrainer(SHAPE, algo, tp=1, temperature=0.7, device=torch.device("cpu"), init_seed=0)
 
 
@@ -95,7 +92,7 @@ def test_logprobs_are_the_response_logprobs(trainer, rollout):
 
 
 @pytest.mark.parametrize("ratio", ["own", "perturbed"])
-@pytest.mark.parametrize("loss_agg", ["token_mean", "sample_mean"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])  # weights summing to one
 def test_sum_of_split_gradients_equals_whole_gradient(trainer, rollout, loss_agg, ratio):
     (minibatch,) = with_old_logprobs(rollout, ratio).minibatches(0)
     whole, whole_stats = grads(trainer, [minibatch], loss_agg)
@@ -115,7 +112,7 @@ def test_sum_of_split_gradients_equals_whole_gradient(trainer, rollout, loss_agg
                 assert stats[key] == pytest.approx(whole_stats[key], rel=1e-5, abs=1e-7), (how, k, key)
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "sample_mean"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "sample_mean", "seq_mean_token_mean"])
 def test_more_replicas_than_samples(trainer, rollout, loss_agg):
     # 13 samples in minibatches of 5: the last one has 3 samples, so one of 4 replicas gets an empty part.
     minibatch = with_old_logprobs(rollout, "perturbed").minibatches(5)[-1]
@@ -132,7 +129,7 @@ def test_more_replicas_than_samples(trainer, rollout, loss_agg):
         assert_same(summed, whole)
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "sample_mean"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "sample_mean", "seq_mean_token_mean"])
 def test_microbatch_budget_does_not_change_the_gradient(trainer, rollout, loss_agg):
     (minibatch,) = with_old_logprobs(rollout, "perturbed").minibatches(0)
     small, small_stats = grads(trainer, [minibatch], loss_agg, max_tokens=32)

@@ -1,0 +1,131 @@
+"""The policy loss: clipped policy gradient with its options, KL to the reference, entropy bonus.
+
+Every term is a per-token quantity times a per-token *weight*. The weight carries the aggregation (token mean,
+sample mean, mean of per-sample token means) normalised by the optimizer step's *global* denominators
+(``rlfw.megatron.packing.token_weights``), so a replica's loss is its share of one global mean: the loss and its
+gradient do not depend on how the minibatch was split among replicas or packed into micro-batches, and the
+replicas' gradients are SUMMED, never averaged.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from rlfw.config.schema import AlgoConfig
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS = ("token_mean", "sample_mean", "seq_mean_token_mean")
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from the sampled tokens' log-probs (Schulman's k1, k2, k3).
+
+    k1 = log pi - log ref (unbiased, can be negative); k2 = (log pi - log ref)^2 / 2 (>= 0, biased);
+    k3 = exp(ref - pi) - (ref - pi) - 1 (unbiased and >= 0).
+    """
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
+
+
+def needs_reference(algo: AlgoConfig) -> bool:
+    """A frozen reference model is built (and its log-probs computed) when a KL term, in the loss or in the
+    reward, uses it."""
+    return algo.kl_loss_coef > 0 or algo.kl_reward_coef > 0
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
+    """Entropy of softmax(logits) over the full vocabulary, per token; ``logits`` [..., V / tp] is this rank's
+    vocabulary shard under tensor parallelism (``group``: the tensor-parallel group; None: one rank, whole vocab).
+
+    Like Megatron's vocab-parallel cross entropy, each rank reduces its shard and the partial sums are all-reduced
+    over the group. The all-reduce's backward is the identity (``reduce_from_tensor_model_parallel_region``): every
+    rank holds the same replicated entropy, and the gradient of each partial sum involves only this rank's logits.
+    """
+    sharded = group is not None and torch.distributed.get_world_size(group) > 1
+    logits = logits.float()
+    shift = logits.detach().max(dim=-1, keepdim=True).values
+    if sharded:  # any shift gives the same value; the global max keeps exp() in range on every rank
+        torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX, group=group)
+    shifted = logits - shift
+    exp = shifted.exp()
+    partials = torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)])  # sum e^l, sum e^l * l (shifted)
+    if sharded:
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        partials = reduce_from_tensor_model_parallel_region(partials, group)
+    total, weighted = partials
+    return total.log() - weighted / total  # H = log Z - E_p[l]
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    algo: AlgoConfig,
+    ref_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum over tokens of ``weights * per-token loss``, the per-token loss being
+
+        tis * max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high))   [capped at -A * c where A < 0: dual clip]
+        + kl_loss_coef * KL(pi || ref)  -  entropy_coef * entropy
+
+    with r = exp(logprobs - old_logprobs) and tis = min(exp(old_logprobs - rollout_logprobs), tis_cap), a constant
+    weight that corrects for the engine sampling from a slightly different distribution than the trainer's.
+
+    All tensors are per token and of one shape; tokens with weight 0 (prompts, sequence ends) carry no loss and
+    their inputs are ignored, so whatever is padded there cannot turn into an inf or NaN. Returns the loss and
+    weighted sums of diagnostics (sums over micro-batches and replicas are global means), plus counts of
+    loss-carrying tokens whose ratio or loss is not finite.
+    """
+    active = weights != 0
+
+    def on_active(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(active, values, torch.zeros_like(values))
+
+    advantages = on_active(advantages)
+    ratio = torch.exp(on_active(logprobs - old_logprobs))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - algo.clip_eps_low, 1.0 + algo.clip_eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    stats = {"clip_frac": (clipped > unclipped).float(), "ratio": ratio}
+    if algo.dual_clip_c > 0:
+        # Where A < 0 a huge ratio makes -A * r unbounded; dual clip caps it at -A * c.
+        bound = -advantages * algo.dual_clip_c
+        dual = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(dual, bound, per_token)
+        stats["dual_clip_frac"] = dual.float()
+    if algo.tis_cap > 0:
+        if rollout_logprobs is None:
+            raise ValueError("algo.tis_cap > 0 needs the rollout engine's log-probs (batch column rollout_logprobs)")
+        tis = torch.clamp(torch.exp(on_active(old_logprobs - rollout_logprobs)), max=algo.tis_cap).detach()
+        per_token = per_token * tis
+        stats["tis_weight"] = tis
+    stats["pg_loss"] = per_token
+    if algo.kl_loss_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("algo.kl_loss_coef > 0 needs the reference model's log-probs (ref_logprobs)")
+        kl = kl_penalty(logprobs, torch.where(active, ref_logprobs, logprobs.detach()), algo.kl_estimator)
+        per_token = per_token + algo.kl_loss_coef * kl
+        stats["kl"] = kl
+    if algo.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("algo.entropy_coef > 0 needs the per-token entropy")
+        per_token = per_token - algo.entropy_coef * entropy
+        stats["entropy"] = entropy
+    stats = {key: on_active(value * weights).sum().detach() for key, value in stats.items()}
+    stats["nonfinite_ratio"] = (active & ~torch.isfinite(ratio)).sum().detach()
+    stats["nonfinite_loss"] = (active & ~torch.isfinite(per_token)).sum().detach()
+    loss = on_active(per_token * weights).sum()
+    return loss, stats
