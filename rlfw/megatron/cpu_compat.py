@@ -34,6 +34,8 @@ class _CpuTorch(types.ModuleType):
         super().__init__("torch")
 
     def __getattr__(self, name):
+        if name == "cuda":
+            return _CpuCuda()
         attr = getattr(torch, name)
         if name not in _FACTORIES:
             return attr
@@ -44,6 +46,16 @@ class _CpuTorch(types.ModuleType):
             return attr(*args, **kwargs)
 
         return factory
+
+
+class _CpuCuda:
+    """``torch.cuda`` as seen by the shimmed modules: synchronising with a device that does not exist is a no-op."""
+
+    def synchronize(self, *_args, **_kwargs) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
 
 
 class _NullStream:
@@ -86,6 +98,12 @@ def apply_cpu_compat() -> bool:
             torch._foreach_mul_(grads, clip_coeff)
 
     mcore_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+    # dist_checkpointing's file writer stages tensors to the host and then calls torch.cuda.synchronize(); CPU
+    # tensors are already there.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async.torch = _CpuTorch()
 
     _APPLIED = True
     return True

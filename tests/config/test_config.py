@@ -75,7 +75,8 @@ def test_unknown_group_option():
         ("cluster.host=localhost", "cluster.host"),
         ("model.num_query_groups=3", "model.num_query_groups"),
         ("logger.backends=[jsonl,tensorboard]", "logger.backends"),
-        ("rollout=sglang", "rollout.backend"),
+        ("resume=", "resume"),
+        ("checkpoint.keep_last=-1", "checkpoint.keep_last"),
         ("fault.kind=kill_once", "fault.kind"),
     ],
 )

@@ -3,7 +3,6 @@
 import json
 from pathlib import Path
 
-import torch
 from hydra import compose, initialize_config_dir
 
 from rlfw.config import register_configs
@@ -33,8 +32,13 @@ def read_jsonl(path: Path):
 
 
 def final_model(run_dir: Path) -> dict:
-    ckpt = max((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-    return torch.load(ckpt / "state.pt", weights_only=False)["model"]
+    """The model weights of the run's newest checkpoint (which must verify)."""
+    from rlfw.checkpoint.layout import list_steps, verify
+    from rlfw.checkpoint.state import read_model_weights
+
+    _, ckpt = list_steps(run_dir / "checkpoints")[0]
+    verify(ckpt)
+    return read_model_weights(str(ckpt))
 
 
 def max_abs_diff(a: dict, b: dict) -> float:

@@ -1,0 +1,42 @@
+"""When to save, and the driver's half of a save: ask the writer to write, then commit (see ``layout``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlfw.checkpoint.layout import commit, prune, staging_dir, step_dir
+
+
+class Checkpointer:
+    """Saves every ``checkpoint.interval`` steps and at the end of the run, keeping ``checkpoint.keep_last``.
+
+    ``run_info`` returns what the driver records in rlfw.json next to the trainer's state (the W&B run id, so a
+    resumed run logs into the same W&B run).
+    """
+
+    def __init__(self, cfg, group, run_dir: Path, shape, run_info: Callable[[], dict[str, Any]] = dict):
+        self.group = group
+        self.interval = cfg.checkpoint.interval
+        self.save_final = cfg.checkpoint.save_final
+        self.keep_last = cfg.checkpoint.keep_last
+        self.root = Path(cfg.checkpoint.dir or Path(run_dir) / "checkpoints")
+        self.run_info = run_info
+        replicas = cfg.dp.size if cfg.dp.mode == "classic" else cfg.dp.num_cells
+        self.layout = {"dp_mode": cfg.dp.mode, "replicas": replicas, "tp": cfg.dp.tp}
+        self.shape = dataclasses.asdict(shape)
+
+    def save_now(self, steps_done: int) -> Path:
+        staging = staging_dir(self.root, steps_done)
+        self.group.save(str(staging), steps_done)
+        meta = {"step": steps_done, "model_shape": self.shape, "layout": self.layout, **self.run_info()}
+        path = commit(staging, step_dir(self.root, steps_done), meta)
+        prune(self.root, self.keep_last)
+        return path
+
+    def maybe_save(self, step: int, final: bool) -> Path | None:
+        if (self.interval and (step + 1) % self.interval == 0) or (final and self.save_final):
+            return self.save_now(step + 1)
+        return None
