@@ -29,8 +29,9 @@ ANY = -1  # cell or incarnation wildcard
 
 
 class FaultInjector:
-    def __init__(self, fault, run_dir: str, cell: int, rank: int, incarnation: int):
+    def __init__(self, fault, run_dir: str, cell: int, rank: int, incarnation: int, role: str = "actor"):
         self.fault, self.cell, self.rank, self.incarnation = fault, cell, rank, incarnation
+        self.targeted = fault.role == role  # kills hit the policy's workers (actor) or the critic's (critic)
         self.marker_dir = Path(run_dir) / "faults"
         self.kills: List[dict] = []
         if fault.kind == "kill_once":
@@ -43,7 +44,7 @@ class FaultInjector:
             raise ValueError(f"fault.phase={fault.phase!r} is not one of {PHASES + ('any',)}")
 
     def maybe_die(self, phase: str, step: int) -> None:
-        if self.fault.kind == "none" or self.rank != 0:
+        if self.fault.kind == "none" or self.rank != 0 or not self.targeted:
             return
         if self.fault.kind == "random":
             draw = random.Random(f"{self.fault.seed}/{self.cell}/{self.incarnation}/{step}/{phase}").random()

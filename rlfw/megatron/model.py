@@ -1,7 +1,8 @@
-"""Build the policy as a Megatron-core ``GPTModel`` (Llama-style: RoPE, RMSNorm, SwiGLU, no biases).
+"""Build the policy as a Megatron-core ``GPTModel`` (Llama-style: RoPE, RMSNorm, SwiGLU, no output biases).
 
-The architecture is the one Hugging Face calls ``LlamaForCausalLM`` (and Qwen2/3 minus biases), so weights convert
-one-to-one to the rollout engines (see ``rlfw.megatron.hf_convert``). The Megatron *local* layer spec is used
+Three switches cover the Hugging Face families rlfw converts one-to-one (see ``rlfw.megatron.hf_convert``):
+``qkv_bias`` (Qwen2), ``qk_layernorm`` (Qwen3) and ``tie_word_embeddings``; with none of them it is
+``LlamaForCausalLM``. The Megatron *local* layer spec is used
 on every device; on CUDA its core attention is ``rlfw.megatron.attention.SDPAttention``
 (PyTorch's fused kernels) unless ``core_attention="megatron"`` asks for Megatron's unfused one.
 """
@@ -27,10 +28,17 @@ class ModelShape:
     max_seq_len: int
     rope_theta: float = 10000.0
     norm_epsilon: float = 1e-5
+    head_dim: int | None = None  # width of one attention head (Megatron kv_channels); None = hidden / heads
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    qk_layernorm: bool = False  # RMSNorm over every query and key head before RoPE (Qwen3)
+    tie_word_embeddings: bool = False  # the output layer reuses the input embedding matrix
+    # Llama 3.x RoPE scaling (HF rope_type "llama3" with Megatron's fixed low/high frequency factors 1 and 4 and
+    # original context 8192): the factor; None = plain RoPE.
+    rope_scaling_factor: float | None = None
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
 
 
 def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool = False):
@@ -51,7 +59,8 @@ def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool =
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bf16=bf16,
@@ -73,16 +82,16 @@ def layer_spec(shape: ModelShape, core_attention: str = "auto"):
     ``DotProductAttention``; ``"sdpa"`` the local spec with ``rlfw.megatron.attention.SDPAttention`` (PyTorch's fused
     kernels, varlen flash for packed rows); ``"auto"`` is SDPA on CUDA and Megatron's own attention on CPU.
 
-    Transformer Engine's spec is not used: its causal attention ignores the explicit block-diagonal mask of rlfw's
-    packed rows (it needs THD ``packed_seq_params``, which the packing does not emit yet), so sequences packed into
-    one row would attend to each other."""
+    Transformer Engine's spec is not used: its attention reads sequence offsets only in THD format, not from the
+    ``PackedRow`` (``sbhd``) that carries rlfw's packed rows, so sequences packed into one row would attend to each
+    other."""
     if core_attention not in CORE_ATTENTION:
         raise ValueError(f"core_attention must be one of {CORE_ATTENTION}, not {core_attention!r}")
     if core_attention == "auto":
         core_attention = "sdpa" if torch.cuda.is_available() else "megatron"
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
     if core_attention == "sdpa":
         from rlfw.megatron.attention import SDPAttention
 
@@ -90,8 +99,9 @@ def layer_spec(shape: ModelShape, core_attention: str = "auto"):
     return spec
 
 
-def build_gpt(shape: ModelShape, config, core_attention: str = "auto") -> torch.nn.Module:
-    """A GPTModel for this pipeline stage (parallel_state must be initialised)."""
+def build_gpt(shape: ModelShape, config, core_attention: str = "auto", post_process: bool = True) -> torch.nn.Module:
+    """A GPTModel for this pipeline stage (parallel_state must be initialised); ``post_process=False`` leaves out
+    the final norm and output layer on every stage (the critic's trunk, ``rlfw.megatron.critic``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -101,11 +111,13 @@ def build_gpt(shape: ModelShape, config, core_attention: str = "auto") -> torch.
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_seq_len,
         pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        post_process=post_process and parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(shape.rope_theta),
+        rope_scaling=shape.rope_scaling_factor is not None,
+        rope_scaling_factor=shape.rope_scaling_factor or 1.0,  # read only with rope_scaling
     )
     if config.params_dtype != torch.float32:
         # The local spec's torch norms (WrappedTorchNorm) ignore params_dtype and keep fp32 weights; with bf16
@@ -115,3 +127,11 @@ def build_gpt(shape: ModelShape, config, core_attention: str = "auto") -> torch.
             if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
                 module.to(dtype=config.params_dtype)
     return model
+
+
+def takes_sequence_offsets(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s core attention takes packed rows as sequence offsets (``SDPAttention``); Megatron's
+    unfused ``DotProductAttention`` refuses ``packed_seq_params`` and needs the dense block-diagonal mask."""
+    from rlfw.megatron.attention import SDPAttention
+
+    return any(isinstance(m, SDPAttention) for m in model.modules())

@@ -36,13 +36,14 @@ class CellState(enum.Enum):
 class Cell:
     """One Megatron world of TP x PP ranks with its own store, actors and torchft replica id."""
 
-    def __init__(self, cell_id: int, cfg, vocab_size: int, lighthouse_address: str, incarnation: int):
+    def __init__(self, cell_id: int, cfg, vocab_size: int, lighthouse_address: str, incarnation: int,
+                 role: str = "actor"):
         self.id, self.incarnation = cell_id, incarnation
         self.state = CellState.PENDING
         self.world = World(
             cfg, cfg.dp.tp * cfg.dp.pp, vocab_size, cell=cell_id,
             sync_factory=functools.partial(CellSync, lighthouse_address=lighthouse_address),
-            incarnation=incarnation,
+            incarnation=incarnation, role=role,
         )
         self.setup_refs: List[ray.ObjectRef] = []
         self.error: Optional[str] = None
@@ -77,14 +78,15 @@ class Cell:
 
 
 class CellGroup:
-    metric_prefix = "cell"
-
-    def __init__(self, cfg, vocab_size: int):
-        self.cfg, self.vocab_size = cfg, vocab_size
+    def __init__(self, cfg, vocab_size: int, role: str = "actor"):
+        """``role=critic``: PPO's value model, in cells of its own with their own Lighthouse (critic cell i pairs
+        with actor cell i; a replacement keeps its cell id, so the pairing survives a heal)."""
+        self.cfg, self.vocab_size, self.role = cfg, vocab_size, role
+        self.metric_prefix = "cell" if role == "actor" else "critic_cell"
         self.events: List[Dict[str, Any]] = []  # failures, joins, heals, quorum changes; drained by the loop
         ft = cfg.ft
         self.lighthouse = None
-        if ft.lighthouse_address:
+        if ft.lighthouse_address and role == "actor":  # the critic's quorums are its own: its own Lighthouse
             self.lighthouse_address = ft.lighthouse_address
         else:
             self.lighthouse = Lighthouse(cfg.cluster.host, ft.lighthouse_port, ft.min_cells, ft.join_timeout_s,
@@ -106,7 +108,7 @@ class CellGroup:
 
     # ------------------------------------------------------------------------------------------ membership
     def _start_cell(self, cell_id: int, incarnation: int) -> Cell:
-        cell = Cell(cell_id, self.cfg, self.vocab_size, self.lighthouse_address, incarnation)
+        cell = Cell(cell_id, self.cfg, self.vocab_size, self.lighthouse_address, incarnation, self.role)
         self.cells[cell_id] = cell
         cell.allocate()
         return cell
@@ -203,6 +205,8 @@ class CellGroup:
                 elif len(done) == len(rs):
                     results[cell_id] = ray.get(rs[0])
                     del pending[cell_id]
+            if phase == "train" and pending and not results:
+                self._rescue_below_min(calls, pending, started)
             if pending and results and grace_deadline is None:
                 grace_deadline = time.monotonic() + self.cfg.ft.heartbeat_timeout_s + self.cfg.ft.join_timeout_s
             if pending and grace_deadline is not None and time.monotonic() > grace_deadline:
@@ -211,6 +215,23 @@ class CellGroup:
                     self._fail(self.cells[cell_id], "no answer after its peers finished (hung or partitioned)",
                                phase, call_elapsed_s=time.monotonic() - started)
         return results
+
+    def _rescue_below_min(self, calls, pending: Dict[int, List[ray.ObjectRef]], started: float) -> None:
+        """Fewer than ft.min_cells cells left in a train call: the survivors' quorum cannot form until the failed
+        cells' replacements join, so the call goes to each replacement as soon as it is ready. If none can come
+        in time, stop now (BelowMinCellsError: the loop saves the survivors' state) instead of letting the
+        survivors time out in their quorum."""
+        if len(pending) >= self.cfg.ft.min_cells:
+            return
+        if not self.cfg.ft.replace_failed or time.monotonic() > started + self.cfg.ft.replacement_deadline_s:
+            raise BelowMinCellsError(
+                f"only {len(pending)} cells left in the step, below ft.min_cells={self.cfg.ft.min_cells}, and "
+                + ("ft.replace_failed is off" if not self.cfg.ft.replace_failed else
+                   f"no replacement became ready within ft.replacement_deadline_s={self.cfg.ft.replacement_deadline_s}")
+            )
+        for cell in self.alive:
+            if cell.id in calls and cell.id not in pending:
+                pending[cell.id] = calls[cell.id](cell)
 
     def _await_replacements(self) -> None:
         deadline = time.monotonic() + self.cfg.ft.await_replacement_s

@@ -32,6 +32,9 @@ class ClassicSync:
     def require_state(self, meta) -> None:
         pass  # one world: every rank holds the state or the run is over
 
+    def restore(self, optimizer_steps: int) -> None:
+        pass  # Megatron DDP keeps no step count of its own
+
     def reduce_and_commit(self, part):
         self.worker.trainer.model.finish_grad_sync()
         group = self.ps.get_data_parallel_group()
@@ -49,12 +52,11 @@ class ClassicSync:
 
 
 class ClassicGroup:
-    metric_prefix = "dp"
-
-    def __init__(self, cfg, vocab_size: int):
+    def __init__(self, cfg, vocab_size: int, role: str = "actor"):
         self.cfg = cfg
         self.num_replicas = cfg.dp.size
-        self.world = World(cfg, cfg.dp.size * cfg.dp.tp, vocab_size, cell=None, sync_factory=ClassicSync)
+        self.metric_prefix = "dp" if role == "actor" else "critic_dp"
+        self.world = World(cfg, cfg.dp.size * cfg.dp.tp, vocab_size, cell=None, sync_factory=ClassicSync, role=role)
         self.world.start()
 
     @property
@@ -77,8 +79,8 @@ class ClassicGroup:
         return refs[0]
 
     def save(self, path: str, step: int) -> None:
-        """Replica 0 holds every weight (its TP ranks each save their shard)."""
-        get_all([w.save.remote(path, step) for w in self.world.leaders_group(0)])
+        """Every rank joins Megatron's distributed save; each shard is written once (by data-parallel rank 0)."""
+        get_all([w.save.remote(path, step) for w in self.world.workers])
 
     def weights_digests(self) -> List[str]:
         return self.world.call_leaders("weights_digest")

@@ -28,7 +28,9 @@ def model_shape(cfg, vocab_size: int) -> ModelShape:
     return ModelShape(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size, vocab_size=vocab_size,
-        max_seq_len=m.max_seq_len, rope_theta=m.rope_theta, norm_epsilon=m.norm_epsilon,
+        max_seq_len=m.max_seq_len, rope_theta=m.rope_theta, norm_epsilon=m.norm_epsilon, head_dim=m.head_dim,
+        qkv_bias=m.qkv_bias, qk_layernorm=m.qk_layernorm, tie_word_embeddings=m.tie_word_embeddings,
+        rope_scaling_factor=m.rope_scaling_factor,
     )
 
 
@@ -40,21 +42,24 @@ def resolve_device(cfg) -> torch.device:
 
 @ray.remote
 class TrainerWorker:
-    """Rank ``rank`` of a world of ``world_size`` ranks (a classic DP world, or one cell)."""
+    """Rank ``rank`` of a world of ``world_size`` ranks (a classic DP world, or one cell). ``role``: ``actor``
+    trains the policy (``PolicyTrainer``), ``critic`` the PPO value model (``ValueTrainer``); both run the same
+    step protocol."""
 
     def __init__(
         self, cfg: Dict[str, Any], rank: int, world_size: int, vocab_size: int, cell: Optional[int] = None,
-        incarnation: int = 0,
+        incarnation: int = 0, role: str = "actor",
     ):
         from rlfw.ft.faults import FaultInjector
 
         torch.set_num_threads(int(os.environ.get("RLFW_TORCH_THREADS", "1")))
         self.cfg = OmegaConf.create(cfg)
         self.rank, self.world_size, self.cell = rank, world_size, cell
-        self.incarnation = incarnation
+        self.incarnation, self.role = incarnation, role
         self.faults = FaultInjector(self.cfg.fault, self.cfg.run_dir, cell if cell is not None else -1, rank,
-                                    incarnation)
-        self.cursor = {"rl_step": -1, "minibatch_index": -1}  # where this rank is in the data (healed with state)
+                                    incarnation, role)
+        # Where this rank is in the data and how many optimizer steps it committed (healed and saved with state).
+        self.cursor = {"rl_step": -1, "minibatch_index": -1, "optimizer_steps": 0}
         self.shape = model_shape(self.cfg, vocab_size)
         self.host = self.cfg.cluster.host
         self.store = None
@@ -70,7 +75,6 @@ class TrainerWorker:
         from megatron.core import parallel_state
 
         from rlfw.megatron.cpu_compat import apply_cpu_compat
-        from rlfw.megatron.policy import PolicyTrainer
 
         device = resolve_device(self.cfg)
         if device.type == "cpu":
@@ -84,15 +88,49 @@ class TrainerWorker:
             timeout=timedelta(seconds=self.cfg.ft.collective_timeout_s),
         )
         parallel_state.initialize_model_parallel(self.cfg.dp.tp, self.cfg.dp.pp)
+        if self.role == "critic":
+            self._setup_critic(device)
+        else:
+            self._setup_policy(device)
+        self.sync = sync_factory(self)
+        if self.cfg.resume != "none" and self.incarnation == 0:
+            # First incarnations start from the checkpoint; replacements heal from a live peer instead.
+            from rlfw.checkpoint.state import load_state
+
+            path = self.cfg.resume if self.role == "actor" else f"{self.cfg.resume}/critic"
+            self.cursor.update(load_state(path, self.trainer)["cursor"])
+            self.sync.restore(self.cursor["optimizer_steps"])
+
+    def _setup_policy(self, device: torch.device) -> None:
+        from rlfw.megatron.policy import PolicyTrainer
+
         self.trainer = PolicyTrainer(
             self.shape, self.cfg.algo, tp=self.cfg.dp.tp, temperature=self.cfg.rollout.temperature, device=device,
             init_seed=self.cfg.model.init_seed, bf16=self.cfg.model.bf16,
         )
-        self.sync = sync_factory(self)
+        if self.cfg.model.hf_path:  # the checkpoint replaces the random init, in the frozen reference too
+            from rlfw.megatron.hf_checkpoint import load_hf_weights
+
+            modules = [m for m in (self.trainer.model.module, self.trainer.reference) if m is not None]
+            load_hf_weights(self.cfg.model.hf_path, self.shape, *modules)
+            self.trainer.optimizer.reload_model_params()  # fp32 master weights (bf16 runs) follow the new values
+
+    def _setup_critic(self, device: torch.device) -> None:
+        from rlfw.megatron.critic import ValueTrainer
+
+        critic = self.cfg.algo.critic
+        self.trainer = ValueTrainer(
+            self.shape, self.cfg.algo, critic, tp=self.cfg.dp.tp, device=device, init_seed=self.cfg.model.init_seed,
+            bf16=self.cfg.model.bf16,
+        )
+        if self.cfg.model.hf_path and critic.init_from_policy:
+            self.trainer.load_hf_policy(self.cfg.model.hf_path)
 
     # --------------------------------------------------------------------------------------------- protocol
     def compute_logprobs(self, batch: RolloutBatch, indices: List[int]) -> Dict[str, List[List[float]]]:
-        return self.trainer.logprobs(batch.select(indices))
+        """The pre-update phase: the actor's log-probs, or the critic's values (``old_values``)."""
+        part = batch.select(indices)
+        return self.trainer.values(part) if self.role == "critic" else self.trainer.logprobs(part)
 
     def train(self, minibatches, num_replicas: int) -> List[Dict[str, Any]]:
         """One optimizer step per minibatch. ``minibatches`` is a list of whole minibatches (delayed split) or
@@ -122,6 +160,7 @@ class TrainerWorker:
                 self.faults.maybe_die("after_vote", step)
             grad_norm = self.trainer.optimizer_step() if committed else None
             if committed:
+                self.cursor["optimizer_steps"] += 1
                 return {
                     "minibatch_index": part.meta["minibatch_index"], "sample_ids": list(part.sample_ids),
                     "participant_ids": participant_ids,
@@ -157,20 +196,11 @@ class TrainerWorker:
         return megatron_to_hf({k: v.detach().cpu().clone() for k, v in full.items()}, self.shape)
 
     def save(self, path: str, step: int) -> None:
-        """Save model, optimizer, RNG and cursor (this rank's shards; TP > 1 saves one file per rank)."""
-        from rlfw.checkpoint import write_checkpoint
+        """Write this world's state into ``path`` (a collective over the world; the driver commits it)."""
+        from rlfw.checkpoint.state import save_state
 
-        state = {
-            "model": self.trainer.model.module.state_dict(),
-            "optimizer": self.trainer.optimizer.state_dict(),
-            "rng": torch.get_rng_state(),
-            "step": step,
-            "cursor": dict(self.cursor),
-        }
-        from megatron.core import parallel_state
-
-        target = path if self.cfg.dp.tp == 1 else f"{path}/tp_rank_{parallel_state.get_tensor_model_parallel_rank()}"
-        write_checkpoint(target, state, before_commit=lambda: self.faults.maybe_die("checkpoint_save", step - 1))
+        save_state(path, self.trainer, {"step": step, "cursor": dict(self.cursor)})
+        self.faults.maybe_die("checkpoint_save", step - 1)  # written, not yet committed
 
     def weights_digest(self) -> str:
         """SHA-256 over every weight's bytes: equal digests mean bitwise-equal replicas."""

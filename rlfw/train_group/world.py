@@ -24,9 +24,10 @@ def get_all(refs: Sequence[ray.ObjectRef], timeout_s: Optional[float] = None) ->
 
 
 class World:
-    def __init__(self, cfg, world_size: int, vocab_size: int, cell: Optional[int], sync_factory, incarnation: int = 0):
+    def __init__(self, cfg, world_size: int, vocab_size: int, cell: Optional[int], sync_factory, incarnation: int = 0,
+                 role: str = "actor"):
         self.cfg, self.world_size, self.vocab_size, self.cell = cfg, world_size, vocab_size, cell
-        self.incarnation = incarnation
+        self.incarnation, self.role = incarnation, role
         self.sync_factory = sync_factory
         self.tp = cfg.dp.tp
         self.workers: List[Any] = []
@@ -35,7 +36,9 @@ class World:
     def launch(self, placement_timeout_s: float = 60.0) -> List[ray.ObjectRef]:
         """Create the actors; returns the refs of their set-up calls (await with ``get_all``)."""
         use_gpu = resolve_device(self.cfg).type == "cuda"
-        bundle = {"CPU": self.cfg.cluster.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+        bundle = {"CPU": self.cfg.cluster.cpus_per_worker}
+        if use_gpu:
+            bundle["GPU"] = self.cfg.cluster.gpus_per_worker  # a share < 1 puts several cells on one GPU
         self.pg = placement_group([bundle] * self.world_size, strategy="PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=placement_timeout_s)
         if not ready:
@@ -50,7 +53,7 @@ class World:
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
                 name=None,
-            ).remote(cfg, rank, self.world_size, self.vocab_size, self.cell, self.incarnation)
+            ).remote(cfg, rank, self.world_size, self.vocab_size, self.cell, self.incarnation, self.role)
             for rank in range(self.world_size)
         ]
         port = ray.get(self.workers[0].serve_store.remote())
