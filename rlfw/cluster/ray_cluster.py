@@ -35,8 +35,19 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ConnectionError(f"cluster.address={address} is unreachable: {e}") from None
 
 
+def in_ray_worker() -> bool:
+    """Whether this process is a Ray worker, e.g. a sweep job that Hydra's Ray launcher runs as a task."""
+    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+
+
 def start_ray(cluster) -> None:
-    """``ray.init`` on ``cluster.host`` (or join ``cluster.address``), with rlfw's worker environment."""
+    """``ray.init`` on ``cluster.host`` (or join ``cluster.address``), with rlfw's worker environment.
+
+    Inside a Ray worker (a job of ``hydra/launcher=ray``) the process is already on the cluster that rlfw's sweep
+    callback started, with that environment: it stays attached.
+    """
+    if in_ray_worker():
+        return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RUST_LOG", "warn")  # the driver's torchft Lighthouse logs every quorum at INFO
     kwargs = dict(
@@ -51,3 +62,9 @@ def start_ray(cluster) -> None:
         ray.init(address=cluster.address, **kwargs)
     else:
         ray.init(num_cpus=cluster.num_cpus, _node_ip_address=cluster.host, **kwargs)
+
+
+def stop_ray() -> None:
+    """Shut down the Ray this process started or joined; a Ray worker leaves its cluster to the launcher."""
+    if ray.is_initialized() and not in_ray_worker():
+        ray.shutdown()

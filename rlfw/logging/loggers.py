@@ -120,10 +120,12 @@ class WandbLogger:
     logger needs it.
     """
 
-    # Per-cell, data-parallel and fault-tolerance metrics are plotted against the
-    # trainer step, so their charts line up with the training curves.
+    # Rewards, per-cell and per-rank batch sizes, membership and fault-tolerance metrics
+    # are plotted against the trainer step, so their charts line up with the training
+    # curves; each glob is its own dashboard section, one chart per key (cell/0/...,
+    # cell/1/... side by side).
     STEP_METRIC = "trainer/step"
-    STEPPED_GLOBS = ("cell/*", "dp/*", "ft/*")
+    STEPPED_GLOBS = ("reward/*", "cell/*", "dp/*", "cells/*", "ft/*")
     EVENTS_TABLE_KEY = "event_log"
     OFFLINE_BASE_URL = "http://127.0.0.1:9"
 
@@ -282,6 +284,11 @@ class MultiLogger:
 
     def __init__(self, loggers: Sequence[Logger]) -> None:
         self.loggers = list(loggers)
+
+    @property
+    def run_id(self) -> str | None:
+        """The W&B run id, if a W&B logger is among them (saved in checkpoints so a resumed run continues it)."""
+        return next((logger.run_id for logger in self.loggers if isinstance(logger, WandbLogger)), None)
 
     def log(self, metrics: Metrics, step: int) -> None:
         self._fan_out("log", metrics, step)

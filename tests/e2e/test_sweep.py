@@ -1,5 +1,10 @@
-"""Hydra multirun: `python -m rlfw.train -m ...` runs each job in its own Ray session and run directory."""
+"""Hydra multirun: `python -m rlfw.train -m ...` runs each job in its own Ray session and run directory; a failing
+job is recorded and the others still run; with `hydra/launcher=ray` the jobs are tasks on one Ray cluster."""
 
+import importlib.util
+import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,14 +14,82 @@ from harness import read_jsonl
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["num_steps=2", "logger=jsonl", "rollout.num_prompts=4"]
 
 
-def test_multirun_sweep_over_dp_modes(tmp_path):
-    cmd = [sys.executable, "-m", "rlfw.train", "-m", "dp=classic,cells", "num_steps=2", "logger=jsonl",
-           "rollout.num_prompts=4", f"hydra.sweep.dir={tmp_path}"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
-    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
-    assert [p.name.split("_", 1)[1].split(",")[0] for p in jobs] == ["dp=classic", "dp=cells"]
-    classic, cells = (read_jsonl(p / "metrics.jsonl") for p in jobs)
-    assert [r["loss"] for r in classic] == [r["loss"] for r in cells]
-    assert "cell/1/num_samples" in cells[0] and "dp/1/num_samples" in classic[0]
+def multirun(sweep_dir: Path, *overrides, env=None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "rlfw.train", "-m", *overrides, *SMALL, f"hydra.sweep.dir={sweep_dir}"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False,
+                          env={**os.environ, **(env or {})})
+
+
+def failures(sweep_dir: Path, result: subprocess.CompletedProcess) -> str:
+    """What went wrong, for an assertion message: the failed jobs' errors, else the tail of the output."""
+    path = sweep_dir / "sweep_summary.json"
+    if path.exists():
+        return "\n".join(f"{job['dir']}: {job['error']}" for job in json.loads(path.read_text())["jobs"]
+                         if job["status"] == "failed")
+    return (result.stdout + result.stderr)[-3000:]
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: int(p.name.split("_", 1)[0]))
+
+
+def summary(sweep_dir: Path) -> dict:
+    return json.loads((sweep_dir / "sweep_summary.json").read_text())
+
+
+def test_multirun_sweep_over_dp_modes_and_splits(tmp_path):
+    result = multirun(tmp_path, "dp=classic,cells", "split=eager,delayed")
+    assert result.returncode == 0, failures(tmp_path, result)
+    done = summary(tmp_path)
+    assert (done["num_jobs"], done["num_failed"]) == (4, 0)
+    assert [job["overrides"][:2] for job in done["jobs"]] == [
+        ["dp=classic", "split=eager"], ["dp=classic", "split=delayed"], ["dp=cells", "split=eager"],
+        ["dp=cells", "split=delayed"]]
+    assert [job["status"] for job in done["jobs"]] == ["ok"] * 4
+    runs = [read_jsonl(p / "metrics.jsonl") for p in job_dirs(tmp_path)]
+    # the same data and the same global batch normalisation: one world or cells, split early or late
+    assert [r["loss"] for r in runs[1]] == [r["loss"] for r in runs[3]]
+    for run in runs:
+        assert [r["loss"] for r in run] == pytest.approx([r["loss"] for r in runs[0]], abs=1e-6)
+    assert "cell/1/num_samples" in runs[2][0] and "dp/1/num_samples" in runs[0][0]
+    assert [job["reward"] for job in done["jobs"]] == [run[-1]["reward/mean"] for run in runs]
+
+
+def test_a_failing_job_does_not_stop_the_sweep(tmp_path):
+    # Job 0's reward function raises inside a Ray actor; job 1 must still run, on a fresh Ray instance.
+    tasks = "task._target_=crashing_task.CrashingTask,rlfw.rollout.tasks.copy.CopyTask"
+    result = multirun(tmp_path, tasks, "dp=cells", env={"PYTHONPATH": str(Path(__file__).parent)})
+    assert result.returncode == 1, (result.stdout + result.stderr)[-3000:]
+    assert "1 of 2 sweep jobs failed" in result.stdout  # Hydra logs to stdout
+
+    crashed, completed = job_dirs(tmp_path)
+    failure = json.loads((crashed / "FAILED").read_text())
+    assert "reward function exploded" in failure["message"]
+    assert "Traceback" in failure["traceback"] and failure["type"] and failure["wall_s"] > 0
+    assert not (completed / "FAILED").exists()
+    metrics = read_jsonl(completed / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == [0, 1]
+
+    done = summary(tmp_path)
+    assert (done["num_jobs"], done["num_failed"]) == (2, 1)
+    failed_job, ok_job = done["jobs"]
+    assert (failed_job["status"], failed_job["reward"]) == ("failed", None)
+    assert "reward function exploded" in failed_job["error"]
+    assert failed_job["overrides"][0] == "task._target_=crashing_task.CrashingTask"
+    assert (ok_job["status"], ok_job["error"]) == ("ok", None)
+    assert ok_job["reward"] == metrics[-1]["reward/mean"] and math.isfinite(ok_job["reward"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is None,
+                    reason="hydra/launcher=ray needs the `sweep` extra (pip install -e '.[sweep]')")
+def test_ray_launcher_runs_jobs_as_tasks_on_one_cluster(tmp_path):
+    result = multirun(tmp_path, "hydra/launcher=ray", "dp=classic,cells")
+    assert result.returncode == 0, failures(tmp_path, result)
+    assert "Ray is already running" in result.stdout  # the launcher used rlfw's cluster
+    classic, cells = (read_jsonl(p / "metrics.jsonl") for p in job_dirs(tmp_path))
+    assert [r["loss"] for r in classic] == pytest.approx([r["loss"] for r in cells], abs=1e-6)
+    done = summary(tmp_path)
+    assert [job["status"] for job in done["jobs"]] == ["ok", "ok"]

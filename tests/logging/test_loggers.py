@@ -137,10 +137,25 @@ def test_wandb_defines_trainer_step_axis(offline_run):
     [run_file] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     records = list(iter_wandb_records(run_file))
     axes = {r.metric.glob_name: r.metric.step_metric for r in records if r.HasField("metric") and r.metric.glob_name}
-    assert axes == {"cell/*": "trainer/step", "dp/*": "trainer/step", "ft/*": "trainer/step"}
+    assert axes == {glob: "trainer/step" for glob in ("reward/*", "cell/*", "dp/*", "cells/*", "ft/*")}
     [run_record] = [r.run for r in records if r.HasField("run")]
     assert (run_record.project, run_record.run_group, run_record.display_name) == ("rlfw-test", "g", "n")
     assert list(run_record.tags) == ["t"]
+
+
+def test_wandb_event_table_holds_every_event(offline_run):
+    """Events reach the dashboard as rows of one incremental table, late ones with their true step."""
+    run_dir, _, _ = offline_run
+    logged = [row["event_log"] for row in read_wandb_offline_history(run_dir) if "event_log" in row]
+    assert [(entry["_type"], entry["nrows"]) for entry in logged] == [("incremental-table-file", 2)]
+    [files_dir] = (run_dir / "wandb").glob("offline-run-*/files")
+    increments = [json.loads(path.read_text()) for path in files_dir.glob("media/table/event_log_*.table.json")]
+    assert {tuple(table["columns"]) for table in increments} == {("step", "kind", "time", "fields")}
+    rows = sorted((row for table in increments for row in table["data"]), key=lambda row: row[2])
+    assert [(step, kind, json.loads(fields)) for step, kind, _, fields in rows] == [
+        (2, "cell_failure", {"cell": 0, "detect_s": 1.5, "reason": "timeout"}),
+        (1, "heal", {"heal_s": 3.0}),
+    ]
 
 
 def test_wandb_reader_tolerates_truncated_tail_and_rejects_corruption(offline_run, tmp_path):

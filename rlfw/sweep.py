@@ -1,0 +1,187 @@
+"""Hydra multirun: one failing job must not end the sweep, and the sweep must say which jobs failed.
+
+Hydra's basic launcher runs the jobs one after another in one process, so an exception escaping a job would kill
+every job after it. ``run_sweep_job`` contains it instead: the job's run directory gets a ``FAILED`` file (type,
+message, traceback), Ray is shut down so the next job starts on a clean cluster, and the job returns NaN.
+``SweepCallback`` (registered under ``hydra.callbacks`` in ``conf/config.yaml``) records each job's outcome, writes
+``<sweep_dir>/sweep_summary.json`` once every job ran, and makes the process exit non-zero if any job failed.
+
+With ``hydra/launcher=ray`` the jobs run as Ray tasks; the callback then starts rlfw's own Ray instance first
+(loopback, rlfw's worker environment) so the launcher and every job use that one cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, open_dict, read_write
+
+log = logging.getLogger("rlfw.sweep")
+
+FAILED_FILE = "FAILED"
+SUMMARY_FILE = "sweep_summary.json"
+OUTCOME_FILE = "outcome.json"  # written into each job's .hydra/ directory, next to its overrides
+RAY_LAUNCHER = "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher"
+T = TypeVar("T")
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def write_failure(run_dir: Path, error: BaseException, wall_s: float) -> Path:
+    """Record why a job failed: ``FAILED`` holds a JSON object with the error's type and message, its root cause
+    (``Type: first line``), traceback and the job's wall time."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cause = _root_cause(error)
+    record = {
+        "type": type(error).__name__,
+        "message": str(error),
+        "cause": f"{type(cause).__name__}: {_first_line(str(cause))}".rstrip(": "),
+        "traceback": "".join(traceback.format_exception(error)),
+        "wall_s": wall_s,
+    }
+    path = run_dir / FAILED_FILE
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def read_failure(run_dir: Path) -> dict[str, Any] | None:
+    """The ``FAILED`` record of a run directory, or None if the run did not fail."""
+    path = Path(run_dir) / FAILED_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:  # not ours (e.g. written by hand): keep its text as the message
+        return {"type": "Failed", "message": path.read_text(encoding="utf-8").strip()}
+    return record if isinstance(record, dict) else {"type": "Failed", "message": str(record)}
+
+
+def describe_failure(failure: dict[str, Any]) -> str:
+    """The root cause, or ``Type: first line of the message``: short enough for a table cell or a log line."""
+    if failure.get("cause"):
+        return failure["cause"]
+    return f"{failure.get('type', 'Failed')}: {_first_line(failure.get('message', ''))}".rstrip(": ")
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The exception raised inside a Ray actor or task, unwrapped from Ray's ``RayTaskError`` (its ``cause``)."""
+    while isinstance(getattr(error, "cause", None), BaseException):
+        error = error.cause
+    return error
+
+
+def _first_line(message: object) -> str:
+    lines = _ANSI_ESCAPE.sub("", str(message)).strip().splitlines()  # Ray colours its errors
+    return lines[0] if lines else ""
+
+
+def run_sweep_job(job: Callable[[], T], run_dir: Path) -> T | None:
+    """Run one sweep job; an exception fails this job only (FAILED file, Ray shut down) and gives None."""
+    from rlfw.cluster.ray_cluster import stop_ray
+
+    (run_dir / FAILED_FILE).unlink(missing_ok=True)  # left by an earlier attempt in this directory
+    started = time.time()
+    try:
+        return job()
+    except Exception as error:  # any error, config errors included, fails this job only
+        log.exception("sweep job in %s failed", run_dir)
+        path = write_failure(run_dir, error, time.time() - started)
+        log.error("recorded in %s; the sweep goes on with the next job", path)
+        stop_ray()
+        return None
+
+
+class SweepCallback(Callback):
+    """Outcome of every multirun job, ``sweep_summary.json`` at the end, a non-zero exit if any job failed.
+
+    Each job writes its outcome to a file (``.hydra/outcome.json`` in its output directory) rather than to this
+    object, because with the Ray launcher ``on_job_end`` runs in a Ray worker, on a copy of the callback.
+    """
+
+    def __init__(self) -> None:
+        self._sweep_started = 0.0
+        self._job_started = 0.0
+        self._owns_ray = False
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._sweep_started = time.time()
+        if config.hydra.launcher.get("_target_") == RAY_LAUNCHER:
+            self._prepare_ray_launcher(config)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._job_started = time.time()
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN:
+            return
+        output_dir = Path(config.hydra.runtime.output_dir)
+        run_dir = Path(config.get("run_dir") or output_dir)
+        failure = read_failure(run_dir)
+        reward = None
+        try:
+            reward = job_return.return_value  # re-raises what escaped the job (run_sweep_job lets nothing out)
+        except Exception as error:
+            log.exception("sweep job %s raised past rlfw", output_dir.name)
+            failure = failure or {"type": type(error).__name__, "message": str(error)}
+        outcome = {
+            "num": int(config.hydra.job.num),
+            "dir": str(output_dir),
+            "run_dir": str(run_dir),
+            "overrides": list(job_return.overrides or []),
+            "status": "failed" if failure is not None else "ok",
+            "reward": reward if isinstance(reward, int | float) and math.isfinite(reward) else None,
+            "wall_s": time.time() - self._job_started,
+            "started": self._job_started,
+            "error": describe_failure(failure) if failure is not None else None,
+        }
+        (output_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+        (output_dir / ".hydra" / OUTCOME_FILE).write_text(json.dumps(outcome, indent=2) + "\n", encoding="utf-8")
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        jobs = self._outcomes(sweep_dir)
+        failed = [job for job in jobs if job["status"] == "failed"]
+        summary = {"sweep_dir": str(sweep_dir), "num_jobs": len(jobs), "num_failed": len(failed), "jobs": jobs}
+        path = sweep_dir / SUMMARY_FILE
+        path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        if self._owns_ray:
+            from rlfw.cluster.ray_cluster import stop_ray
+
+            stop_ray()
+        if failed:
+            lines = "\n".join(f"  {Path(job['dir']).name}: {job['error']}" for job in failed)
+            log.error("%d of %d sweep jobs failed (see %s):\n%s", len(failed), len(jobs), path, lines)
+            sys.exit(1)
+        log.info("all %d sweep jobs finished; summary in %s", len(jobs), path)
+
+    def _outcomes(self, sweep_dir: Path) -> list[dict[str, Any]]:
+        """This sweep's job outcomes, by job number (outcomes left by an earlier sweep into the same dir are not)."""
+        jobs = []
+        for path in sweep_dir.glob(f"**/.hydra/{OUTCOME_FILE}"):
+            outcome = json.loads(path.read_text(encoding="utf-8"))
+            if outcome.get("started", 0.0) >= self._sweep_started:
+                jobs.append(outcome)
+        return sorted(jobs, key=lambda job: job["num"])
+
+    def _prepare_ray_launcher(self, config: DictConfig) -> None:
+        """Start rlfw's Ray before the launcher would start a default one, and let each job hold no CPU.
+
+        A job is only the driver of its run: its trainer ranks and engines reserve their own CPUs. Ray's default
+        of one CPU per task would let two jobs take both CPUs of a small machine and starve their own actors.
+        """
+        from rlfw.cluster.ray_cluster import start_ray
+
+        start_ray(config.cluster)
+        self._owns_ray = True
+        with read_write(config.hydra.launcher), open_dict(config.hydra.launcher):
+            config.hydra.launcher.ray.remote.setdefault("num_cpus", 0)
