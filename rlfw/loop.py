@@ -6,7 +6,6 @@ Everything here runs in the driver; the heavy lifting happens in the rollout man
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -14,6 +13,10 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import ray
 
+from rlfw.algo import algo_options
+from rlfw.algo.advantages import compute_advantages
+from rlfw.algo.gae import explained_variance, returns
+from rlfw.algo.nonfinite import nonfinite_advantages, skipped_steps, verdict
 from rlfw.data.batch import EagerParts, RolloutBatch, split_batch
 from rlfw.data.partition import strided_partition
 from rlfw.ft.errors import BelowMinCellsError
@@ -74,6 +77,34 @@ def step_metrics(batch: RolloutBatch, results: Dict[int, List[Dict[str, Any]]], 
     return m
 
 
+def train_critic(cfg, critic, batch: RolloutBatch, minibatches: List[RolloutBatch], step: int, record: Dict):
+    """PPO: train the critic on the same minibatches as the policy (targets ``returns``, clipped around
+    ``old_values``), check its accounting and replicas like the policy's (digests into the ledger ``record``);
+    returns its metrics."""
+    results = critic.train(plan_split(minibatches, cfg.split, len(critic.replica_ids)))
+    check_exactly_once(batch, trained_sample_ids(results))
+    if cfg.ft.verify_weights_every and step % cfg.ft.verify_weights_every == 0:
+        record["critic_weight_digests"] = verify_replicas_equal(critic, step)
+    m: Dict[str, float] = {}
+    num_steps = max((len(r) for r in results.values()), default=0)
+    sums: Dict[str, float] = {}
+    for replica, steps in results.items():
+        m[f"{critic.metric_prefix}/{replica}/num_samples"] = sum(s["num_samples"] for s in steps)
+        m[f"{critic.metric_prefix}/{replica}/num_tokens"] = sum(s["num_tokens"] for s in steps)
+        for s in steps:
+            for k, v in s["sums"].items():
+                sums[k] = sums.get(k, 0.0) + v
+    m["critic/loss"] = sums.get("loss", 0.0) / max(num_steps, 1)
+    m["critic/value_clip_frac"] = sums.get("value_clip_frac", 0.0) / max(num_steps, 1)
+    norms = [s["grad_norm"] for steps in results.values() for s in steps if s.get("grad_norm") is not None]
+    if norms:
+        m["critic/grad_norm"] = float(np.mean(norms))
+    skipped = skipped_steps(results)
+    m.update({f"critic/{k}": v for k, v in verdict(cfg.algo.on_nonfinite, step, skipped).items()})
+    m.update({f"critic/{k}": v for k, v in critic.step_info().items()})
+    return m
+
+
 def trained_sample_ids(results: Dict[int, List[Dict[str, Any]]]) -> List[int]:
     """The sample ids trained in committed optimizer steps, from what the surviving replicas report.
 
@@ -116,16 +147,20 @@ def verify_replicas_equal(group, step: int) -> Dict[str, str]:
 
 
 def run_loop(
-    cfg, group, manager, loggers, run_dir: Path, checkpointer=None, started: Optional[float] = None
+    cfg, group, manager, loggers, run_dir: Path, checkpointer=None, started: Optional[float] = None,
+    start_step: int = 0, critic=None,
 ) -> Dict[str, float]:
+    """Steps ``start_step`` .. ``num_steps - 1`` (a resumed run starts past the steps its checkpoint holds).
+    ``critic``: PPO's value-model group (None for critic-free estimators); the checkpointer saves it too."""
     started = started if started is not None else time.time()
-    version = 0
+    version = start_step  # the weight version counts committed RL steps
     ray.get(manager.update_weights.remote(group.export_weights(), version))
     ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)  # per step: trained sample ids, weight digests
+    loggers.table("algo", ["option", "value"], algo_options(cfg.algo), start_step)  # the combination in use
     metrics: Dict[str, float] = {}
-    step = 0
+    step = start_step
     try:
-        for step in range(cfg.num_steps):
+        for step in range(start_step, cfg.num_steps):
             t0 = time.perf_counter()
             rollout = ray.get(manager.generate.remote(step, version))
             batch: RolloutBatch = rollout["batch"]
@@ -136,16 +171,36 @@ def run_loop(
                 continue
             t1 = time.perf_counter()
             batch = attach_logprobs(group, batch)
+            if critic is not None:  # the critic's pre-update phase attaches its values (old_values) the same way
+                batch = attach_logprobs(critic, batch)
             t2 = time.perf_counter()
+            batch.samples["advantage"], advantage_stats = compute_advantages(batch, cfg.algo)
+            metrics.update(advantage_stats)
+            if critic is not None:
+                batch.samples["returns"] = returns(batch.samples["advantage"], batch.samples["old_values"])
+                metrics["critic/explained_variance"] = explained_variance(batch.samples["old_values"],
+                                                                          batch.samples["returns"])
             minibatches = batch.minibatches(cfg.algo.global_batch_size)
+            bad = nonfinite_advantages(batch.samples["advantage"])
+            if bad:  # under algo.on_nonfinite=stop, verdict raises
+                metrics.update(verdict(cfg.algo.on_nonfinite, step, {"advantage": len(minibatches)},
+                                       f" in {bad} of {len(batch)} samples"))
+                loggers.event("nonfinite_skip", step, quantity="advantage", samples=bad)
+                loggers.log(metrics, step)
+                continue
             results = group.train(plan_split(minibatches, cfg.split, len(group.replica_ids)))
+            critic_record: Dict[str, Any] = {}
+            if critic is not None:
+                metrics.update(train_critic(cfg, critic, batch, minibatches, step, critic_record))
+                for event in critic.drain_events():
+                    loggers.event(event.pop("kind"), step, role="critic", **event)
             t3 = time.perf_counter()
             trained = trained_sample_ids(results)
             check_exactly_once(batch, trained)
             record = {"step": step, "sample_ids": sorted(trained)}
             if cfg.ft.verify_weights_every and step % cfg.ft.verify_weights_every == 0:
                 record["weight_digests"] = verify_replicas_equal(group, step)
-            ledger.write(json.dumps(record) + "\n")
+            ledger.write(json.dumps({**record, **critic_record}) + "\n")
             version += 1
             metrics["time/weight_sync"] = ray.get(manager.update_weights.remote(group.export_weights(), version))
             metrics.update(step_metrics(batch, results, group.metric_prefix))
@@ -154,8 +209,10 @@ def run_loop(
                 loggers.event(event.pop("kind"), step, **event)
             metrics.update({"time/logprobs": t2 - t1, "time/train": t3 - t2, "time/step": time.perf_counter() - t0,
                             "time/elapsed": time.time() - started})
-            if not math.isfinite(metrics.get("loss", 0.0)):
-                raise FloatingPointError(f"step {step}: the loss is {metrics['loss']}; stopping before it spreads")
+            skipped = skipped_steps(results)
+            metrics.update(verdict(cfg.algo.on_nonfinite, step, skipped))
+            for quantity, count in skipped.items():
+                loggers.event("nonfinite_skip", step, quantity=quantity, optimizer_steps=count)
             loggers.log(metrics, step)
             if step % 10 == 0:
                 loggers.table("generations", ["sample_id", "prompt", "response", "reward"], rollout["examples"], step)

@@ -15,19 +15,21 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlfw.config import ConfigError, register_configs, validate
+from rlfw.sweep import run_sweep_job
 
 log = logging.getLogger("rlfw")
 register_configs()
 
 
-def build_group(cfg, vocab_size: int):
+def build_group(cfg, vocab_size: int, role: str = "actor"):
+    """The policy's train group, or (``role=critic``, algo=ppo) the value model's: same dp mode, same replicas."""
     if cfg.dp.mode == "classic":
         from rlfw.train_group.classic import ClassicGroup
 
-        return ClassicGroup(cfg, vocab_size)
+        return ClassicGroup(cfg, vocab_size, role)
     from rlfw.train_group.cells import CellGroup
 
-    return CellGroup(cfg, vocab_size)
+    return CellGroup(cfg, vocab_size, role)
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
@@ -36,33 +38,54 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     import torch
 
     from rlfw.checkpoint import Checkpointer
-    from rlfw.cluster.ray_cluster import start_ray
+    from rlfw.checkpoint.resume import check_compatible, resolve_resume, rewind_step_logs
+    from rlfw.cluster.ray_cluster import start_ray, stop_ray
     from rlfw.logging import build_loggers
     from rlfw.loop import run_loop
     from rlfw.rollout.manager import RolloutManager, padded_vocab_size
     from rlfw.train_group.worker import model_shape
 
     visible_gpus = torch.cuda.device_count() if cfg.cluster.device != "cpu" else None
+    if cfg.model.hf_path:  # the unset architecture keys come from the checkpoint's config.json
+        from rlfw.megatron.hf_checkpoint import fill_model_config
+
+        fill_model_config(cfg.model)
     validate(cfg, num_devices=visible_gpus or None)
     task = instantiate(cfg.task)  # a bad task target or argument fails here, before Ray starts
-    vocab_size = padded_vocab_size(len(task.tokenizer), cfg.dp.tp)
+    vocab_size = cfg.model.vocab_size or padded_vocab_size(len(task.tokenizer), cfg.dp.tp)
+    if len(task.tokenizer) > vocab_size:
+        raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the task's tokenizer ({len(task.tokenizer)})")
     shape = model_shape(cfg, vocab_size)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run_dir = str(run_dir.resolve())  # workers write the fault markers and checkpoints under it
+    resume = resolve_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
+    if resume is not None:
+        check_compatible(resume, shape, cfg.num_steps, needs_critic=cfg.algo.name == "ppo")
+        cfg.resume = str(resume.path)  # what the workers load
+        rewound = rewind_step_logs(run_dir, resume.step)
+        log.info("resuming from %s at step %d%s", resume.path, resume.step, f" (rewound {rewound})" if rewound else "")
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     start_ray(cfg.cluster)
     loggers = build_loggers(
         list(cfg.logger.backends), run_dir, cfg.num_steps,
         dict(project=cfg.logger.wandb_project, group=cfg.logger.wandb_group, name=run_dir.name,
-             config=OmegaConf.to_container(cfg, resolve=True), mode=cfg.logger.wandb_mode),
+             config=OmegaConf.to_container(cfg, resolve=True), mode=cfg.logger.wandb_mode,
+             run_id=resume.wandb_run_id if resume else None),
     )
-    group = manager = None
+    group = critic = manager = None
     exit_code = 1
     try:
         group = build_group(cfg, vocab_size)
+        if cfg.algo.name == "ppo":
+            critic = build_group(cfg, vocab_size, role="critic")
         manager = RolloutManager.remote(OmegaConf.to_container(cfg, resolve=True), shape)
-        metrics = run_loop(cfg, group, manager, loggers, run_dir, Checkpointer(cfg, group, run_dir), started)
+        checkpointer = Checkpointer(cfg, group, run_dir, shape, run_info=lambda: {"wandb_run_id": loggers.run_id},
+                                    critic=critic)
+        if resume is not None:
+            loggers.event("resumed", resume.step, checkpoint=str(resume.path), saved_layout=resume.meta["layout"])
+        start_step = resume.step if resume else 0
+        metrics = run_loop(cfg, group, manager, loggers, run_dir, checkpointer, started, start_step, critic=critic)
         exit_code = 0
         return metrics
     finally:
@@ -71,20 +94,27 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             ray.get(manager.shutdown.remote())
         if group is not None:
             group.shutdown()
-        ray.shutdown()
+        if critic is not None:
+            critic.shutdown()
+        stop_ray()  # a job of hydra/launcher=ray leaves the shared cluster running
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(cfg.run_dir or hydra_cfg.runtime.output_dir)
-    if hydra_cfg.mode == RunMode.MULTIRUN and cfg.logger.wandb_group is None:
-        cfg.logger.wandb_group = Path(hydra_cfg.sweep.dir).name  # one W&B group per sweep
-    try:
-        metrics = train(cfg, run_dir)
-    except ConfigError as e:
-        log.error("config error: %s", e)
-        sys.exit(2)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        if cfg.logger.wandb_group is None:
+            cfg.logger.wandb_group = Path(hydra_cfg.sweep.dir).name  # one W&B group per sweep
+        metrics = run_sweep_job(lambda: train(cfg, run_dir), run_dir)  # a failed job is recorded; the sweep goes on
+        if metrics is None:
+            return float("nan")
+    else:
+        try:
+            metrics = train(cfg, run_dir)
+        except ConfigError as e:
+            log.error("config error: %s", e)
+            sys.exit(2)
     log.info("run finished: %s (reward/mean %.3f)", run_dir, metrics.get("reward/mean", float("nan")))
     return metrics.get("reward/mean", float("nan"))  # the value Hydra sweepers optimise
 

@@ -14,11 +14,13 @@ class Checkpointer:
     """Saves every ``checkpoint.interval`` steps and at the end of the run, keeping ``checkpoint.keep_last``.
 
     ``run_info`` returns what the driver records in rlfw.json next to the trainer's state (the W&B run id, so a
-    resumed run logs into the same W&B run).
+    resumed run logs into the same W&B run). PPO's ``critic`` group saves into ``critic/`` of the same
+    directory, so policy and critic are committed together or not at all.
     """
 
-    def __init__(self, cfg, group, run_dir: Path, shape, run_info: Callable[[], dict[str, Any]] = dict):
-        self.group = group
+    def __init__(self, cfg, group, run_dir: Path, shape, run_info: Callable[[], dict[str, Any]] = dict,
+                 critic=None):
+        self.group, self.critic = group, critic
         self.interval = cfg.checkpoint.interval
         self.save_final = cfg.checkpoint.save_final
         self.keep_last = cfg.checkpoint.keep_last
@@ -31,7 +33,10 @@ class Checkpointer:
     def save_now(self, steps_done: int) -> Path:
         staging = staging_dir(self.root, steps_done)
         self.group.save(str(staging), steps_done)
-        meta = {"step": steps_done, "model_shape": self.shape, "layout": self.layout, **self.run_info()}
+        if self.critic is not None:
+            self.critic.save(str(staging / "critic"), steps_done)
+        meta = {"step": steps_done, "model_shape": self.shape, "layout": self.layout, "critic": self.critic is not None,
+                **self.run_info()}
         path = commit(staging, step_dir(self.root, steps_done), meta)
         prune(self.root, self.keep_last)
         return path

@@ -59,12 +59,14 @@ def resolve_resume(option: str, checkpoint_root: Path) -> ResumePoint | None:
     return ResumePoint(path.resolve(), int(meta["step"]), meta)
 
 
-def check_compatible(point: ResumePoint, shape, num_steps: int) -> None:
+def check_compatible(point: ResumePoint, shape, num_steps: int, needs_critic: bool = False) -> None:
     """Refuse a checkpoint the configured model cannot load, naming every field that differs."""
     saved, wanted = point.meta["model_shape"], asdict(shape)
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, config {v!r}" for k, v in wanted.items() if saved.get(k) != v]
     if diffs:
         raise ConfigError(f"checkpoint {point.path} holds a different model ({'; '.join(diffs)})")
+    if needs_critic and not point.meta.get("critic"):
+        raise ConfigError(f"checkpoint {point.path} has no critic state (it was not saved by an algo=ppo run)")
     if point.step > num_steps:
         raise ConfigError(f"checkpoint {point.path} is at step {point.step}, past num_steps={num_steps}")
 

@@ -21,6 +21,8 @@ class ClusterConfig:
     cpus_per_worker: float = 0.25  # Ray CPU share of each trainer rank; fractional so ranks fit on 2 cores
     torch_threads: int = 1  # intra-op threads per worker process (oversubscription is the CPU killer)
     device: str = "auto"  # auto | cpu | cuda
+    # GPUs of each trainer rank (CUDA): 1, or a share (0.5: two one-rank cells on one GPU, their torchft group on Gloo)
+    gpus_per_worker: float = 1.0
 
 
 @dataclass
@@ -45,6 +47,28 @@ class SplitConfig:
 
 
 @dataclass
+class SGLangConfig:
+    """rollout=sglang: SGLang servers launched as Ray actors (``urls`` empty) or attached (``urls`` given)."""
+
+    urls: List[str] = field(default_factory=list)  # attach to these running servers (http://host:port); [] = launch
+    router_url: Optional[str] = None  # attach: generate through this SGLang router; weights still go to every url
+    # launch: the server program ({python}: rlfw's interpreter); rlfw appends --model-path, --host, --port,
+    # --tp-size, --weight-version, --random-seed, --skip-tokenizer-init, then extra_args
+    launch_command: List[str] = field(default_factory=lambda: ["{python}", "-m", "sglang.launch_server"])
+    extra_args: List[str] = field(default_factory=list)  # launch: more server flags, e.g. [--mem-fraction-static,0.7]
+    base_port: int = 30000  # launch: engine i listens on cluster.host:base_port+i
+    gpus_per_engine: int = 1  # launch: Ray GPUs of each server, also its --tp-size (0: CPU builds of SGLang)
+    startup_timeout_s: float = 900.0  # launch: a server not healthy by then fails, naming it, its URL, its log tail
+    request_timeout_s: float = 600.0  # one /generate call
+    weight_update_timeout_s: float = 600.0  # one /update_weights_from_disk call
+    control_timeout_s: float = 30.0  # one health or model-info call
+    max_retries: int = 3  # re-sends of a failed /generate batch, to another server when one is serving
+    retry_backoff_s: float = 1.0  # wait before retry k: retry_backoff_s * 2**(k-1)
+    weights_dir: Optional[str] = None  # checkpoints the servers load (they must see it); None = each engine's workdir
+    weight_sync: str = "disk"  # disk: HF checkpoint + /update_weights_from_disk (tensor, distributed: not implemented)
+
+
+@dataclass
 class RolloutConfig:
     backend: str = MISSING  # local | vllm | sglang
     num_prompts: int = 32  # prompts per RL step
@@ -54,38 +78,74 @@ class RolloutConfig:
     max_new_tokens: int = 0  # 0 = the task's own limit
     num_engines: int = 1
     cpus_per_engine: float = 0.5
+    max_inflight_requests: int = 0  # samples one engine works on at a time (one call); 0 = the step's share at once
+    max_engine_restarts: int = 3  # dead engines replaced over the whole run (requests retried); one more stops it
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts instead
+    max_oversample_rounds: int = 3  # dynamic_sampling: extra sampling rounds per step; then train on what was kept
+    kv_cache_gb: float = 0.5  # vllm: CPU memory of each engine's KV cache
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)  # rollout=sglang only
 
 
 @dataclass
 class ModelConfig:
+    """Architecture keys may be None only with ``hf_path``: they are then read from the checkpoint's config.json."""
+
     name: str = MISSING
-    num_layers: int = 2
-    hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    ffn_hidden_size: int = 512
-    max_seq_len: int = 64
-    rope_theta: float = 10000.0
-    norm_epsilon: float = 1e-5
-    init_seed: int = 1234
+    hf_path: str | None = None  # local HF checkpoint dir (Llama/Qwen2/Qwen3): architecture, weights; no download
+    num_layers: int | None = 2
+    hidden_size: int | None = 128
+    num_attention_heads: int | None = 4
+    num_query_groups: int | None = 2
+    ffn_hidden_size: int | None = 512
+    head_dim: int | None = None  # width of one attention head (Megatron kv_channels); None = hidden / heads
+    vocab_size: int | None = None  # embedding rows; None = the task tokenizer's size rounded up to 8 x dp.tp
+    max_seq_len: int = 64  # training context (prompt + response); not read from the checkpoint
+    rope_theta: float | None = 10000.0
+    norm_epsilon: float | None = 1e-5
+    qkv_bias: bool | None = False  # biases on the q/k/v projections (Qwen2)
+    qk_layernorm: bool | None = False  # RMSNorm on every query and key head before RoPE (Qwen3)
+    tie_word_embeddings: bool | None = False  # output layer shares the input embedding
+    rope_scaling_factor: float | None = None  # Llama 3.x RoPE scaling factor (HF rope_type llama3); None = plain RoPE
+    init_seed: int = 1234  # random initialisation (without hf_path)
     bf16: bool = True  # CUDA only: bf16 weights and activations, fp32 grads and master weights; CPU runs fp32
 
 
 @dataclass
+class CriticConfig:
+    """algo=ppo: the value model (rlfw/megatron/critic.py), a second train group beside the policy's."""
+
+    lr: float = 1e-3  # the critic's Adam learning rate (betas, weight decay, grad clip: the policy's)
+    value_clip: float = 0.2  # clip V to V_old +- value_clip in the value loss; 0 = off (plain squared error)
+    init_from_policy: bool = True  # trunk starts from the policy's initial weights (model.hf_path too); else random
+    # Replicas of the critic group: None = the policy's; any other value must equal it (replica i pairs with i)
+    num_replicas: Optional[int] = None
+
+
+@dataclass
 class AlgoConfig:
-    name: str = MISSING  # grpo
+    name: str = MISSING  # advantage estimator: grpo | rloo | reinforce_pp | ppo (rlfw.algo.advantages.ESTIMATORS)
     lr: float = 1e-3
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
     grad_clip: float = 1.0  # 0 disables
-    clip_eps_low: float = 0.2
+    normalize_adv_std: Optional[bool] = None  # grpo only: divide by the group std (false = Dr. GRPO); grpo.yaml: true
+    baseline: Optional[str] = None  # reinforce_pp only: none (REINFORCE++) | group_mean (REINFORCE++-baseline)
+    gamma: Optional[float] = None  # ppo only: GAE discount per response token, in [0, 1]; ppo.yaml: 1.0
+    gae_lambda: Optional[float] = None  # ppo only: GAE lambda, in [0, 1]; ppo.yaml: 0.95
+    critic: CriticConfig = field(default_factory=CriticConfig)  # ppo only: the value model
+    clip_eps_low: float = 0.2  # ratio clipped to [1 - clip_eps_low, 1 + clip_eps_high]
     clip_eps_high: float = 0.2
-    kl_coef: float = 0.0  # >0 builds a frozen reference model and adds a k3 KL loss
-    loss_agg: str = "token_mean"  # token_mean | sample_mean
-    normalize_adv_std: bool = True  # GRPO divides by the group std; False = Dr. GRPO
+    dual_clip_c: float = 0.0  # > 1: cap the loss of A < 0 tokens at -A * c (dual clip, e.g. 3); 0 = off
+    kl_loss_coef: float = 0.0  # > 0: KL(pi || ref) loss term per token (builds a frozen reference model)
+    kl_reward_coef: float = 0.0  # > 0: -coef * KL per token in the reward, as rewards-to-go (builds the reference)
+    kl_estimator: str = "k3"  # k1 | k2 | k3, for both KL terms (k1 is the usual choice in the reward)
+    entropy_coef: float = 0.0  # > 0: entropy bonus (full-vocabulary entropy of the policy)
+    tis_cap: float = 0.0  # >= 1: truncated importance sampling, weight min(exp(old - rollout logprob), cap); 0 = off
+    loss_agg: str = "token_mean"  # token_mean | sample_mean (sum per sample) | seq_mean_token_mean
+    on_nonfinite: str = "stop"  # NaN/inf advantage, ratio, loss or gradient: stop (raise) | skip (the optimizer step)
     global_batch_size: int = 0  # samples per optimizer step; 0 = the whole rollout batch (one step per rollout)
-    max_tokens_per_microbatch: int = 512  # token budget of one packed micro-batch
+    max_tokens_per_microbatch: int = 512  # token budget of one packed micro-batch; GPU runs: 16384 (BENCHMARKS.md)
 
 
 @dataclass
@@ -110,6 +170,7 @@ class FaultConfig:
     """Real process deaths for tests and demos (rlfw/ft/faults.py)."""
 
     kind: str = "none"  # none | kill_once | random
+    role: str = "actor"  # whose workers die: actor (the policy's) | critic (algo=ppo's value model)
     cell: int = 0  # kill_once: which cell (-1 = whichever gets there first)
     step: int = 1  # kill_once: the first RL step at which the kill may fire
     phase: str = "before_forward"  # a phase of rlfw.ft.faults.PHASES (random: or "any")
@@ -123,6 +184,7 @@ class CheckpointConfig:
     interval: int = 0  # save every N steps (0 = only when the run ends)
     save_final: bool = True
     dir: Optional[str] = None  # default: <run_dir>/checkpoints
+    keep_last: int = 0  # delete all but the newest N committed checkpoints; 0 keeps every one
 
 
 @dataclass
@@ -139,6 +201,8 @@ class RLConfig:
     seed: int = 1
     num_steps: int = 200
     run_dir: Optional[str] = None  # default: Hydra's output dir
+    # none | auto (the newest checkpoint that verifies under checkpoint.dir, or a fresh start) | a checkpoint dir
+    resume: str = "none"
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     dp: DPConfig = field(default_factory=DPConfig)
     split: SplitConfig = field(default_factory=SplitConfig)

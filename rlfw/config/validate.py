@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
+from pathlib import Path
+from urllib.parse import urlparse
 
 from omegaconf import DictConfig
 
+from rlfw.algo.advantages import ESTIMATOR_OPTIONS, ESTIMATORS
+from rlfw.algo.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlfw.config.schema import RLConfig
 
 
@@ -25,6 +30,7 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
 
 def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None:
     """Raise ConfigError naming the first key whose value cannot work."""
+    _check_architecture_set(cfg.model)
     _choice("dp.mode", cfg.dp.mode, {"classic", "cells"})
     _positive("dp.size", cfg.dp.size)
     _positive("dp.num_cells", cfg.dp.num_cells)
@@ -33,11 +39,20 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
         raise ConfigError(f"dp.pp={cfg.dp.pp}: pipeline parallelism is not supported yet; use dp.pp=1")
     replicas = cfg.dp.size if cfg.dp.mode == "classic" else cfg.dp.num_cells
     ranks = replicas * cfg.dp.tp * cfg.dp.pp
-    if num_devices is not None and ranks > num_devices:
+    share = cfg.cluster.gpus_per_worker
+    if not 0 < share <= 1:
+        raise ConfigError(f"cluster.gpus_per_worker={share} must be in (0, 1]: a trainer rank uses one GPU or a share")
+    if share < 1 and (cfg.dp.mode != "cells" or cfg.dp.tp * cfg.dp.pp != 1):
+        raise ConfigError(
+            f"cluster.gpus_per_worker={share} shares a GPU between ranks, which only cells of one rank can do "
+            "(dp=cells, dp.tp=1): NCCL cannot place two ranks of one world on one GPU"
+        )
+    if num_devices is not None and ranks * share > num_devices:
         key = "dp.size" if cfg.dp.mode == "classic" else "dp.num_cells"
         raise ConfigError(
-            f"{key}={replicas} x dp.tp={cfg.dp.tp} x dp.pp={cfg.dp.pp} needs {ranks} GPUs but {num_devices} are "
-            f"visible; lower {key} or dp.tp, or use cluster.device=cpu"
+            f"{key}={replicas} x dp.tp={cfg.dp.tp} x dp.pp={cfg.dp.pp} ranks x cluster.gpus_per_worker={share} "
+            f"needs {ranks * share:g} GPUs but {num_devices} are visible; lower {key} or dp.tp, share GPUs "
+            "(cluster.gpus_per_worker=0.5, cells only), or use cluster.device=cpu"
         )
     if cfg.model.num_attention_heads % cfg.dp.tp or cfg.model.num_query_groups % cfg.dp.tp:
         raise ConfigError(
@@ -52,24 +67,48 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
     _positive("split.attention_weight", cfg.split.attention_weight, allow_zero=True)
 
     _choice("rollout.backend", cfg.rollout.backend, {"local", "vllm", "sglang"})
-    if cfg.rollout.backend != "local":
-        raise ConfigError(
-            f"rollout.backend={cfg.rollout.backend!r} is reserved but not implemented yet; use rollout=local"
-        )
+    if cfg.rollout.backend == "vllm":
+        _check_vllm(cfg, num_devices)
     _positive("rollout.num_prompts", cfg.rollout.num_prompts)
     _positive("rollout.n_samples_per_prompt", cfg.rollout.n_samples_per_prompt)
     _positive("rollout.temperature", cfg.rollout.temperature, allow_zero=True)
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
     _positive("rollout.max_new_tokens", cfg.rollout.max_new_tokens, allow_zero=True)
+    _positive("rollout.num_engines", cfg.rollout.num_engines)
+    _positive("rollout.cpus_per_engine", cfg.rollout.cpus_per_engine)
+    _positive("rollout.max_inflight_requests", cfg.rollout.max_inflight_requests, allow_zero=True)
+    _positive("rollout.max_engine_restarts", cfg.rollout.max_engine_restarts, allow_zero=True)
+    _positive("rollout.max_oversample_rounds", cfg.rollout.max_oversample_rounds, allow_zero=True)
+    if cfg.rollout.dynamic_sampling and cfg.rollout.n_samples_per_prompt < 2:
+        raise ConfigError(
+            "rollout.dynamic_sampling=true needs rollout.n_samples_per_prompt >= 2: a group of one sample never has "
+            "reward variance, so every group would be dropped"
+        )
+    if cfg.rollout.backend == "sglang":
+        _check_sglang(cfg.rollout.sglang, cfg.rollout.num_engines)
 
     for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "max_seq_len"):
-        _positive(f"model.{key}", cfg.model[key] if isinstance(cfg, DictConfig) else getattr(cfg.model, key))
-    if cfg.model.hidden_size % cfg.model.num_attention_heads:
+                "max_seq_len", "head_dim", "vocab_size"):
+        value = cfg.model[key] if isinstance(cfg, DictConfig) else getattr(cfg.model, key)
+        if value is not None:  # head_dim and vocab_size may stay None: derived from other keys
+            _positive(f"model.{key}", value)
+    if cfg.model.head_dim is None and cfg.model.hidden_size % cfg.model.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={cfg.model.hidden_size} is not divisible by "
-            f"model.num_attention_heads={cfg.model.num_attention_heads}"
+            f"model.num_attention_heads={cfg.model.num_attention_heads}; set model.head_dim"
+        )
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size % cfg.dp.tp:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is not divisible by dp.tp={cfg.dp.tp}: every tensor-parallel "
+            f"rank holds an equal slice of the embedding"
+        )
+    if cfg.model.rope_scaling_factor is not None:
+        _positive("model.rope_scaling_factor", cfg.model.rope_scaling_factor)
+    if cfg.model.qkv_bias and cfg.model.qk_layernorm:
+        raise ConfigError(
+            "model.qkv_bias and model.qk_layernorm are both true: no supported HF family has both "
+            "(Qwen2 has q/k/v biases, Qwen3 q/k norms)"
         )
     if cfg.model.num_attention_heads % cfg.model.num_query_groups:
         raise ConfigError(
@@ -77,12 +116,8 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
             f"model.num_attention_heads={cfg.model.num_attention_heads}"
         )
 
-    _choice("algo.name", cfg.algo.name, {"grpo"})
-    _choice("algo.loss_agg", cfg.algo.loss_agg, {"token_mean", "sample_mean"})
+    _validate_algo_options(cfg)
     _positive("algo.lr", cfg.algo.lr)
-    _positive("algo.clip_eps_low", cfg.algo.clip_eps_low, allow_zero=True)
-    _positive("algo.clip_eps_high", cfg.algo.clip_eps_high, allow_zero=True)
-    _positive("algo.kl_coef", cfg.algo.kl_coef, allow_zero=True)
     _positive("algo.grad_clip", cfg.algo.grad_clip, allow_zero=True)
     _positive("algo.global_batch_size", cfg.algo.global_batch_size, allow_zero=True)
     if cfg.algo.max_tokens_per_microbatch < cfg.model.max_seq_len:
@@ -102,13 +137,155 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
     _choice("fault.kind", cfg.fault.kind, {"none", "kill_once", "random"})
     if cfg.fault.kind != "none" and cfg.dp.mode != "cells":
         raise ConfigError(f"fault.kind={cfg.fault.kind!r} needs dp=cells: classic DP cannot survive a death")
+    _choice("fault.role", cfg.fault.role, {"actor", "critic"})
+    if cfg.fault.role == "critic" and cfg.algo.name != "ppo":
+        raise ConfigError(f"fault.role='critic' needs algo=ppo: algo.name={cfg.algo.name!r} has no critic")
     _positive("ft.heartbeat_timeout_s", cfg.ft.heartbeat_timeout_s)
     _positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
+    _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, allow_zero=True)
+    if not cfg.resume:
+        raise ConfigError("resume is empty: use resume=none, resume=auto or resume=<checkpoint dir>")
 
     _choice_list("logger.backends", cfg.logger.backends, {"jsonl", "console", "wandb"})
     _choice("logger.wandb_mode", cfg.logger.wandb_mode, {"auto", "online", "offline", "disabled"})
     if "_target_" not in cfg.task:
         raise ConfigError("task has no _target_: pick a task (task=copy) or give task._target_=module.Class")
+
+
+def _check_architecture_set(model) -> None:
+    """Architecture keys left None (``model=hf``) must have been read from ``model.hf_path`` before validation."""
+    if model.hf_path is not None and not Path(model.hf_path).is_dir():
+        raise ConfigError(f"model.hf_path={model.hf_path!r} is not a directory (only local checkpoints load)")
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                "rope_theta", "norm_epsilon", "qkv_bias", "qk_layernorm", "tie_word_embeddings"):
+        if getattr(model, key) is None:
+            raise ConfigError(
+                f"model.{key} is not set and model.hf_path names no checkpoint to read it from "
+                f"(model=hf needs model.hf_path=/path/to/checkpoint)"
+            )
+
+
+# Head sizes vLLM 0.32's CPU attention supports (vllm/v1/attention/backends/cpu_attn.py).
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _check_vllm(cfg, num_devices: int | None) -> None:
+    """rollout=vllm: the package is installed, and on CPU the attention head size is one vLLM has kernels for."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.backend='vllm' needs vLLM: install the extra (make test does; or make run ARGS=rollout=vllm; "
+            "or pip install -e '.[vllm]' then pip uninstall -y torchvision torchaudio torchcodec triton)"
+        )
+    _positive("rollout.kv_cache_gb", cfg.rollout.kv_cache_gb)
+    on_cpu = cfg.cluster.device == "cpu" or (cfg.cluster.device == "auto" and not num_devices)
+    head_dim = cfg.model.head_dim or cfg.model.hidden_size // cfg.model.num_attention_heads
+    if on_cpu and head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise ConfigError(
+            f"model.head_dim={head_dim} (hidden_size / num_attention_heads unless set): vLLM's CPU attention "
+            f"supports only {list(VLLM_CPU_HEAD_DIMS)}; change the model or use rollout=local"
+        )
+
+
+def _check_sglang(sglang, num_engines: int) -> None:
+    """rollout.sglang: attach (urls, optionally a router in front of them) or launch (num_engines servers)."""
+    _choice("rollout.sglang.weight_sync", sglang.weight_sync, {"disk", "tensor", "distributed"})
+    if sglang.weight_sync != "disk":
+        raise ConfigError(
+            f"rollout.sglang.weight_sync={sglang.weight_sync!r} is not implemented: it needs the trainer's weights "
+            "on the servers' GPUs; use rollout.sglang.weight_sync=disk"
+        )
+    for url in sglang.urls:
+        _check_url("rollout.sglang.urls", url)
+    if len(set(sglang.urls)) != len(sglang.urls):
+        raise ConfigError(f"rollout.sglang.urls={list(sglang.urls)} names a server twice")
+    if sglang.urls and num_engines != len(sglang.urls):
+        raise ConfigError(
+            f"rollout.num_engines={num_engines} but rollout.sglang.urls lists {len(sglang.urls)} servers: one engine "
+            f"drives one server; set rollout.num_engines={len(sglang.urls)}"
+        )
+    if sglang.router_url is not None:
+        _check_url("rollout.sglang.router_url", sglang.router_url)
+        if not sglang.urls:
+            raise ConfigError(
+                "rollout.sglang.router_url needs rollout.sglang.urls: the servers behind the router, which rlfw "
+                "pushes the weights to (a router does not forward weight updates)"
+            )
+    if not sglang.urls:  # launch mode
+        _positive("rollout.num_engines", num_engines)
+        if not sglang.launch_command:
+            raise ConfigError("rollout.sglang.launch_command is empty: give the server program")
+        if not 1 <= sglang.base_port <= 65536 - num_engines:
+            raise ConfigError(
+                f"rollout.sglang.base_port={sglang.base_port}: ports base_port..base_port+rollout.num_engines-1 "
+                "must lie in 1..65535"
+            )
+        _positive("rollout.sglang.gpus_per_engine", sglang.gpus_per_engine, allow_zero=True)
+    for key in ("startup_timeout_s", "request_timeout_s", "weight_update_timeout_s", "control_timeout_s"):
+        _positive(f"rollout.sglang.{key}", sglang[key] if isinstance(sglang, DictConfig) else getattr(sglang, key))
+    _positive("rollout.sglang.max_retries", sglang.max_retries, allow_zero=True)
+    _positive("rollout.sglang.retry_backoff_s", sglang.retry_backoff_s, allow_zero=True)
+
+
+def _check_url(key: str, url: str) -> None:
+    parsed = urlparse(url)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or port is None:
+        raise ConfigError(f"{key}: {url!r} is not a server URL like http://127.0.0.1:30000")
+
+
+def _validate_algo_options(cfg) -> None:
+    """The advantage estimator, the options that belong to it alone, and the loss options (``rlfw.algo``)."""
+    algo = cfg.algo
+    _choice("algo.name", algo.name, set(ESTIMATORS))
+    estimator = ESTIMATORS[algo.name]
+    for option in ESTIMATOR_OPTIONS:
+        value = getattr(algo, option)
+        if option in estimator.options:
+            _choice(f"algo.{option}", value, set(estimator.options[option]))
+        elif value is not None:
+            owners = sorted(name for name, e in ESTIMATORS.items() if option in e.options)
+            raise ConfigError(f"algo.{option}={value!r} does not apply to algo.name={algo.name!r} (only to {owners})")
+    if estimator.uses_groups(algo) and cfg.rollout.n_samples_per_prompt < 2:
+        raise ConfigError(
+            f"rollout.n_samples_per_prompt={cfg.rollout.n_samples_per_prompt}: algo.name={algo.name!r} compares "
+            f"samples of one prompt, so it needs at least 2 (with 1 every advantage is 0)"
+        )
+    _choice("algo.loss_agg", algo.loss_agg, set(LOSS_AGGREGATIONS))
+    _choice("algo.kl_estimator", algo.kl_estimator, set(KL_ESTIMATORS))
+    _choice("algo.on_nonfinite", algo.on_nonfinite, {"stop", "skip"})
+    for key in ("clip_eps_low", "clip_eps_high", "kl_loss_coef", "kl_reward_coef", "entropy_coef"):
+        _positive(f"algo.{key}", getattr(algo, key), allow_zero=True)
+    if algo.dual_clip_c != 0 and algo.dual_clip_c <= 1:
+        raise ConfigError(f"algo.dual_clip_c={algo.dual_clip_c} must be > 1 (the cap is c times |A|), or 0 for off")
+    if algo.tis_cap != 0 and algo.tis_cap < 1:
+        raise ConfigError(f"algo.tis_cap={algo.tis_cap} must be >= 1 (an on-policy token weighs 1), or 0 for off")
+    _validate_ppo(cfg)
+
+
+def _validate_ppo(cfg) -> None:
+    """GAE options only with ppo, in [0, 1]; the critic's own options; the critic pairs with the policy."""
+    algo = cfg.algo
+    for key in ("gamma", "gae_lambda"):
+        value = getattr(algo, key)
+        if algo.name != "ppo":
+            if value is not None:
+                raise ConfigError(f"algo.{key}={value} does not apply to algo.name={algo.name!r} (only to ['ppo'])")
+        elif value is None or not 0 <= value <= 1:
+            raise ConfigError(f"algo.{key}={value} must be in [0, 1] for algo.name='ppo'")
+    if algo.name != "ppo":
+        return
+    _positive("algo.critic.lr", algo.critic.lr)
+    _positive("algo.critic.value_clip", algo.critic.value_clip, allow_zero=True)
+    # The critic group has the policy's dp mode and replica count: actor replica (cell) i pairs with critic i.
+    replicas = cfg.dp.size if cfg.dp.mode == "classic" else cfg.dp.num_cells
+    if algo.critic.num_replicas is not None and algo.critic.num_replicas != replicas:
+        raise ConfigError(
+            f"algo.critic.num_replicas={algo.critic.num_replicas} must equal the policy's {replicas} replicas "
+            f"(dp.{'size' if cfg.dp.mode == 'classic' else 'num_cells'}): actor replica i pairs with critic replica i"
+        )
 
 
 def _choice_list(key: str, values, options) -> None:

@@ -32,7 +32,7 @@ class CellSync:
             store_port=worker.store.port, lighthouse_address=lighthouse_address,
             state_dict=self._state_dict, load_state_dict=self._load_state_dict, min_replicas=cfg.ft.min_cells,
             device=worker.trainer.device, collective_timeout_s=cfg.ft.collective_timeout_s,
-            quorum_timeout_s=cfg.ft.quorum_timeout_s,
+            quorum_timeout_s=cfg.ft.quorum_timeout_s, shared_device=cfg.cluster.gpus_per_worker < 1,
         )
         self.heal_time = None
         self.healed = False
@@ -77,6 +77,11 @@ class CellSync:
                 f"cell {self.worker.cell}: no live peer holds the trained state (every cell that had it died); "
                 "resume from the last checkpoint"
             )
+
+    def restore(self, optimizer_steps: int) -> None:
+        """After loading a checkpoint: torchft's step count continues from it, so a replacement (step 0) is seen
+        as behind and heals from a peer instead of training from fresh weights."""
+        self.manager.load_state_dict({**self.manager.state_dict(), "step": optimizer_steps})
 
     def reduce_and_commit(self, part):
         works = [self.manager.allreduce(g, reduce_op=ReduceOp.SUM) for g in self.worker.trainer.grad_buffers()]

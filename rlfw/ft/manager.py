@@ -48,10 +48,14 @@ def make_manager(
     device: torch.device,
     collective_timeout_s: float,
     quorum_timeout_s: float,
+    shared_device: bool = False,
 ) -> Manager:
     timeout = timedelta(seconds=collective_timeout_s)
-    pg = ProcessGroupGloo(timeout=timeout) if device.type == "cpu" else ProcessGroupNCCL(timeout=timeout)
-    transport = PGTransport(pg, timeout=timeout, device=device)
+    # NCCL cannot join two processes on one GPU: cells sharing a device meet over Gloo (CUDA tensors go through host
+    # memory), and heals stage the state on the host.
+    gloo = device.type == "cpu" or shared_device
+    pg = ProcessGroupGloo(timeout=timeout) if gloo else ProcessGroupNCCL(timeout=timeout)
+    transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu") if gloo else device)
     with _manager_server_bound_to(host):
         return Manager(
             pg=pg,

@@ -1,4 +1,4 @@
-"""The Megatron side of one replica rank: model, DDP grad buffers, optimizer, log-probs and the GRPO step.
+"""The Megatron side of one replica rank: model, DDP grad buffers, optimizer, log-probs and the policy step.
 
 It knows nothing of how replicas exchange gradients: ``forward_backward`` leaves this rank's (globally normalised)
 gradients in Megatron's contiguous grad buffers, and the train group decides how to reduce them (Megatron DDP in
@@ -7,15 +7,14 @@ classic mode, torchft across cells) before ``optimizer_step``.
 
 from __future__ import annotations
 
-import copy
 from typing import Dict, List, Optional
 
 import torch
 
-from rlfw.algo.grpo import policy_loss
+from rlfw.algo.losses import needs_reference, policy_loss, vocab_parallel_entropy
 from rlfw.data.batch import RolloutBatch
-from rlfw.megatron.model import ModelShape, build_gpt, transformer_config
-from rlfw.megatron.packing import MicroBatch, microbatches
+from rlfw.megatron.model import ModelShape, build_gpt, takes_sequence_offsets, transformer_config
+from rlfw.megatron.packing import MicroBatch, build_rows, microbatches, pack_by_token_budget
 
 
 class PolicyTrainer:
@@ -23,7 +22,7 @@ class PolicyTrainer:
 
     def __init__(
         self, shape: ModelShape, algo, tp: int, temperature: float, device: torch.device, init_seed: int,
-        bf16: bool = False,
+        bf16: bool = False, core_attention: str = "auto",
     ):
         from megatron.core import tensor_parallel
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -41,10 +40,15 @@ class PolicyTrainer:
         torch.manual_seed(init_seed)
         # On CPU there is no CUDA RNG to track: the inference tracker's fork() is a no-op (no dropout is used).
         tensor_parallel.model_parallel_cuda_manual_seed(init_seed, inference_rng_tracker=device.type == "cpu")
-        module = build_gpt(shape, self.config).to(device)
+        module = build_gpt(shape, self.config, core_attention).to(device)
+        # Packed rows reach SDPAttention as sequence offsets; only Megatron's own attention needs T x T masks.
+        self.dense_mask = not takes_sequence_offsets(module)
         self.reference = None
-        if algo.kl_coef > 0:
-            self.reference = copy.deepcopy(module).eval().requires_grad_(False)
+        if needs_reference(algo):
+            # A second model loaded with the policy's weights: deepcopy cannot copy the process groups TP layers hold.
+            self.reference = build_gpt(shape, self.config, core_attention).to(device)
+            self.reference.load_state_dict(module.state_dict())
+            self.reference.eval().requires_grad_(False)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
@@ -62,13 +66,23 @@ class PolicyTrainer:
             ),
             [self.model],
         )
+        if device.type == "cuda":
+            use_fused_adam(self.optimizer)
 
     # ----------------------------------------------------------------------------------------------- log-probs
+    def _fp32_logits(self, output: torch.Tensor) -> torch.Tensor:
+        """The logits of softmax(output / T) in fp32, as a new tensor (vocab_parallel_cross_entropy overwrites its
+        input). From bf16 at T = 1 the upcast is that tensor: a division would add two passes (forward, backward)
+        over the fp32 logits, 10 GB each at 16k tokens and a 152k vocabulary."""
+        if output.dtype != torch.float32 and self.temperature == 1.0:
+            return output.float()
+        return output.float() / self.temperature
+
     def _token_logprobs(self, model, mb: MicroBatch) -> torch.Tensor:
         from megatron.core import tensor_parallel
 
-        logits = model(mb.tokens, mb.position_ids, mb.attention_mask)  # [1, T, V / tp]
-        logits = logits.float() / self.temperature
+        logits = row_logits(model, mb)  # [1, T, V / tp]
+        logits = self._fp32_logits(logits)
         return -tensor_parallel.vocab_parallel_cross_entropy(logits, mb.labels)  # [1, T]
 
     @torch.no_grad()
@@ -80,7 +94,7 @@ class PolicyTrainer:
             out["ref_logprobs"] = [None] * len(batch)
             models.append(("ref_logprobs", self.reference))
         self.model.eval()
-        for indices, mb in microbatches(batch, self.algo.max_tokens_per_microbatch):
+        for indices, mb in microbatches(batch, self.algo.max_tokens_per_microbatch, dense_mask=self.dense_mask):
             mb = mb.to(self.device)
             for key, model in models:
                 lp = self._token_logprobs(model, mb)[0]
@@ -101,25 +115,33 @@ class PolicyTrainer:
         sums: Dict[str, float] = {}
         if len(part) == 0:  # an empty share still joins the gradient reduction, with zeros
             return sums
-        batches = [mb.to(self.device) for _, mb in microbatches(part, self.algo.max_tokens_per_microbatch,
-                                                                  self.algo.loss_agg)]
+        lengths = [len(t) for t in part.samples["tokens"]]
+        bins = pack_by_token_budget(lengths, self.algo.max_tokens_per_microbatch)
+        # Rows are built and copied as the schedule asks for them: the host packs row i + 1 while the device
+        # computes row i, and the (pinned, non-blocking) copies queue behind the device's work.
+        rows = (mb.to(self.device, non_blocking=True)
+                for mb in build_rows(part, bins, self.algo.loss_agg, self.dense_mask))
         algo = self.algo
 
-        counter = iter(range(len(batches)))
+        counter = iter(range(len(bins)))
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             if on_microbatch is not None:  # a hook between micro-batches (fault injection uses it)
                 on_microbatch(next(counter))
-            logits = model(mb.tokens, mb.position_ids, mb.attention_mask)
+            logits = row_logits(model, mb)
 
             def loss_func(output):
-                from megatron.core import tensor_parallel
+                from megatron.core import parallel_state, tensor_parallel
 
-                lp = -tensor_parallel.vocab_parallel_cross_entropy(output.float() / self.temperature, mb.labels)
+                logits = self._fp32_logits(output)
+                entropy = None  # computed first: vocab_parallel_cross_entropy overwrites its input
+                if algo.entropy_coef > 0:
+                    entropy = vocab_parallel_entropy(logits, parallel_state.get_tensor_model_parallel_group())
+                lp = -tensor_parallel.vocab_parallel_cross_entropy(logits, mb.labels)
                 loss, stats = policy_loss(
-                    lp, mb.old_logprobs, mb.advantages, mb.loss_weight, algo.clip_eps_low, algo.clip_eps_high,
-                    mb.ref_logprobs, algo.kl_coef,
+                    lp, mb.old_logprobs, mb.advantages, mb.loss_weight, algo, mb.ref_logprobs, mb.rollout_logprobs,
+                    entropy,
                 )
                 stats["loss"] = loss.detach()
                 # calculate_per_token_loss=True: Megatron uses this loss as is (it is globally normalised already).
@@ -129,16 +151,21 @@ class PolicyTrainer:
 
         results = get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(batches),
+            data_iterator=rows,
             model=[self.model],
-            num_microbatches=len(batches),
-            seq_length=max(mb.tokens.shape[1] for mb in batches),
+            num_microbatches=len(bins),
+            seq_length=max(sum(lengths[i] for i in b) for b in bins),
             micro_batch_size=1,
             forward_only=False,
         )
         for stats in results:
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
+        if sums["nonfinite_ratio"] or sums["nonfinite_loss"]:
+            # Make the verdict reach every replica: the SUM reduction spreads a NaN to all of them, and each then
+            # skips the optimizer step (``optimizer_step``), classic or cells alike.
+            for grad in self.grad_buffers():
+                grad.fill_(float("nan"))
         return sums
 
     def grad_buffers(self) -> List[torch.Tensor]:
@@ -188,3 +215,28 @@ class PolicyTrainer:
                 full[name] = torch.cat(shards, dim=param.partition_dim)
         return full
 
+
+def row_logits(model, mb: MicroBatch) -> torch.Tensor:
+    """The model's logits on one packed row: its sequence offsets go to the core attention as a ``PackedRow``, or,
+    for attention that takes no offsets, its dense block-diagonal mask."""
+    if mb.attention_mask is not None:
+        return model(mb.tokens, mb.position_ids, mb.attention_mask)
+    from rlfw.megatron.attention import packed_row
+
+    return model(mb.tokens, mb.position_ids, None,
+                 packed_seq_params=packed_row(mb.cu_seqlens, mb.max_seqlen, mb.tokens.size(1)))
+
+
+def use_fused_adam(optimizer) -> None:
+    """Run Megatron's Adam as torch's fused kernel.
+
+    Without Transformer Engine or Apex, megatron-core (0.16 to 0.19) builds ``torch.optim.AdamW`` with neither
+    ``fused`` nor ``foreach``, so torch picks its foreach implementation: about ten passes over the fp32 master
+    weights, gradients and moments, one per arithmetic step. The fused kernel makes one pass. torch reads both flags
+    from the parameter groups at every step, so setting them here is what ``AdamW(fused=True)`` would have done.
+    Transformer Engine's or Apex's FusedAdam, where installed, is fused already and left as it is.
+    """
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(part.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            for group in part.optimizer.param_groups:
+                group["fused"], group["foreach"] = True, False
