@@ -2,8 +2,8 @@
 
 Every run here trains 4 steps; the interrupted ones train 2, checkpoint, and a second job resumes them. Rollouts are
 a function of (seed, step) and the checkpoint holds model, optimizer and cursor, so the resumed run repeats
-the uninterrupted one's computation: equal to float round-off (the same code path; 1e-6 allows for the order of
-the cross-cell sum, as in test_cells).
+the uninterrupted one's computation: bitwise where the arithmetic is the same, to float round-off where another
+cell count sums the gradients in another order.
 """
 
 import os
@@ -59,7 +59,9 @@ def test_resume_from_3_cells_on_2_cells_then_classic(straight, tmp_path):
     run_rlfw(run_dir, "checkpoint.interval=1", "num_steps=3", "resume=auto", "dp=cells", "dp.num_cells=2")
     assert read_meta(run_dir / "checkpoints" / "step_3")["layout"] == {"dp_mode": "cells", "replicas": 2, "tp": 1}
     run_rlfw(run_dir, *COMMON, "num_steps=4", "resume=auto", "dp=classic")
-    assert max_abs_diff(final_model(run_dir), final_model(straight)) < 1e-6
+    # Steps 0-1 summed three cells' gradients, in another order than the reference's two replicas: last-bit
+    # differences, which Adam's normalisation lifts to ~1e-5 over the later steps (as in test_faults).
+    assert max_abs_diff(final_model(run_dir), final_model(straight)) < 1e-4
     ledger = read_jsonl(run_dir / "ledger.jsonl")
     assert [e["step"] for e in ledger] == [0, 1, 2, 3]  # every step trained once across the three jobs
 
