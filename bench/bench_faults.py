@@ -8,8 +8,8 @@ alternating between the two cells' lineages (a replacement is killed again once 
 run to measure a fresh job's start-up. Replacements are not waited for (ft.await_replacement_s=0): the survivor
 carries the whole batch until the replacement is ready, which is what a production run does.
 
-The checkpoint-restart column is computed from measured parts, not from a run of it: rlfw has no resume yet, and a
-restart's cost is start-up (measured here: process start to first step of a fresh job) plus redoing on average
+The checkpoint-restart column is computed from measured parts, not from a run of it (``resume=auto`` exists now;
+timing a real kill-and-resume loop is the next step): a restart's cost is start-up (measured here: process start to first step of a fresh job) plus redoing on average
 half a checkpoint interval of steps (measured step time) plus the checkpoint writes (measured save time).
 """
 
