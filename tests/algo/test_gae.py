@@ -93,7 +93,6 @@ def test_ppo_config_composes_and_validates():
     (("algo=ppo", "algo.critic.value_clip=-1"), "algo.critic.value_clip"),
     (("algo=ppo", "algo.critic.lr=0"), "algo.critic.lr"),
     (("algo=ppo", "dp=cells", "dp.num_cells=2", "algo.critic.num_replicas=3"), "algo.critic.num_replicas"),
-    (("algo=ppo", "resume=auto"), "resume"),
     (("algo=grpo", "dp=cells", "fault=kill_once", "fault.role=critic"), "fault.role"),
     (("algo=ppo", "dp=cells", "fault=kill_once", "fault.role=policy"), "fault.role"),
 ])

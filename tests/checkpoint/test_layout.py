@@ -122,9 +122,12 @@ def test_a_different_model_shape_is_refused_naming_the_fields(tmp_path):
     point = resolve_resume("auto", tmp_path)
     with pytest.raises(ConfigError, match=r"num_layers: checkpoint 4, config 2; hidden_size: checkpoint 256"):
         check_compatible(point, SHAPE, num_steps=10)
-    _save(tmp_path, 3, model_shape=dataclasses.asdict(SHAPE))
+    _save(tmp_path, 3, model_shape=dataclasses.asdict(SHAPE), critic=False)
     with pytest.raises(ConfigError, match="past num_steps=2"):
         check_compatible(resolve_resume("auto", tmp_path), SHAPE, num_steps=2)
+    with pytest.raises(ConfigError, match="has no critic state"):  # algo=ppo needs the critic it saved
+        check_compatible(resolve_resume("auto", tmp_path), SHAPE, num_steps=10, needs_critic=True)
+    check_compatible(resolve_resume("auto", tmp_path), SHAPE, num_steps=10)
 
 
 def test_rewind_moves_the_records_of_redone_steps(tmp_path):
