@@ -40,6 +40,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     from rlfw.checkpoint import Checkpointer
     from rlfw.checkpoint.resume import check_compatible, resolve_resume, rewind_step_logs
     from rlfw.cluster.ray_cluster import start_ray, stop_ray
+    from rlfw.ft.errors import UnfiredFaultError
+    from rlfw.ft.faults import unfired_kills
     from rlfw.logging import build_loggers
     from rlfw.loop import run_loop
     from rlfw.rollout.manager import RolloutManager, padded_vocab_size
@@ -86,6 +88,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             loggers.event("resumed", resume.step, checkpoint=str(resume.path), saved_layout=resume.meta["layout"])
         start_step = resume.step if resume else 0
         metrics = run_loop(cfg, group, manager, loggers, run_dir, checkpointer, started, start_step, critic=critic)
+        missed = unfired_kills(cfg.fault, cfg.run_dir)
+        if missed:
+            raise UnfiredFaultError(
+                f"the run finished but {len(missed)} scheduled kills never fired: {missed} (no process reached that "
+                "cell, incarnation and phase at or after that step); change fault.* so the fault can happen"
+            )
         exit_code = 0
         return metrics
     finally:

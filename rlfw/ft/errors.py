@@ -11,3 +11,7 @@ class StateLostError(FatalError):
 
 class BelowMinCellsError(FatalError):
     """Fewer than ft.min_cells cells stayed alive and no replacement became ready before the deadline."""
+
+
+class UnfiredFaultError(RuntimeError):
+    """A scheduled kill (``fault=kill_once``) never fired: the run did not test what it was asked to."""

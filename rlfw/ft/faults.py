@@ -28,15 +28,27 @@ PHASES = (
 ANY = -1  # cell or incarnation wildcard
 
 
+def scheduled_kills(fault) -> List[dict]:
+    """The kills of a ``kill_once`` schedule, in marker order (kill i fired iff ``<run_dir>/faults/kill_i`` exists)."""
+    if fault.kind != "kill_once":
+        return []
+    kills = [dict(cell=fault.cell, step=fault.step, phase=fault.phase, incarnation=0)]
+    return kills + [dict({"incarnation": 0}, **k) for k in fault.extra_kills]
+
+
+def unfired_kills(fault, run_dir: str) -> List[dict]:
+    """The scheduled kills that never fired in this run: a fault test that killed nothing tested nothing, so the
+    run reports them as an error instead of a success."""
+    markers = Path(run_dir) / "faults"
+    return [kill for index, kill in enumerate(scheduled_kills(fault)) if not (markers / f"kill_{index}").exists()]
+
+
 class FaultInjector:
     def __init__(self, fault, run_dir: str, cell: int, rank: int, incarnation: int, role: str = "actor"):
         self.fault, self.cell, self.rank, self.incarnation = fault, cell, rank, incarnation
         self.targeted = fault.role == role  # kills hit the policy's workers (actor) or the critic's (critic)
         self.marker_dir = Path(run_dir) / "faults"
-        self.kills: List[dict] = []
-        if fault.kind == "kill_once":
-            self.kills = [dict(cell=fault.cell, step=fault.step, phase=fault.phase, incarnation=0)]
-            self.kills += [dict({"incarnation": 0}, **k) for k in fault.extra_kills]
+        self.kills = scheduled_kills(fault)
         for kill in self.kills:
             if kill["phase"] not in PHASES:
                 raise ValueError(f"fault phase {kill['phase']!r} is not one of {PHASES}")

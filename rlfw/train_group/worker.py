@@ -6,7 +6,6 @@ step's gradient) and the world it belongs to (the whole DP group, or its own cel
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import time
@@ -151,8 +150,7 @@ class TrainerWorker:
             self.cursor.update(rl_step=step, minibatch_index=part.meta["minibatch_index"])
             self.faults.maybe_die("before_forward", step)
             self.trainer.zero_grad()
-            hook = functools.partial(self._between_microbatches, step)
-            sums = self.trainer.forward_backward(part, on_microbatch=hook)
+            sums = forward_backward(self.trainer, part, self.faults, step)
             t_fb = time.perf_counter()
             committed, info = self.sync.reduce_and_commit(part)
             t_sync = time.perf_counter()
@@ -170,10 +168,6 @@ class TrainerWorker:
                     "time/quorum": t_quorum - t0, "time/forward_backward": t_fb - t_quorum,
                     "time/reduce_and_vote": t_sync - t_fb, "time/step": time.perf_counter() - t0, **info,
                 }
-
-    def _between_microbatches(self, step: int, index: int) -> None:
-        if index == 1:
-            self.faults.maybe_die("mid_forward_backward", step)
 
     def _take_part(self, minibatch, replica: int, num_replicas: int):
         """This replica's share, and the sample ids of every participant's share (the split is deterministic, so
@@ -215,6 +209,24 @@ class TrainerWorker:
             self.sync.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def forward_backward(trainer, part, faults, step: int) -> Dict[str, float]:
+    """The trainer's forward/backward with the ``mid_forward_backward`` fault point after the first micro-batch's
+    backward: before the second micro-batch, or at the end when there is only one (or an empty share), so the
+    phase is reachable in every configuration."""
+    reached = False
+
+    def between_microbatches(index: int) -> None:
+        nonlocal reached
+        if index == 1:
+            reached = True
+            faults.maybe_die("mid_forward_backward", step)
+
+    sums = trainer.forward_backward(part, on_microbatch=between_microbatches)
+    if not reached:
+        faults.maybe_die("mid_forward_backward", step)
+    return sums
 
 
 def merge(parts: List[RolloutBatch]) -> RolloutBatch:
