@@ -153,12 +153,15 @@ class FTConfig:
     lighthouse_address: Optional[str] = None  # join an existing Lighthouse; None = the driver starts one
     lighthouse_port: int = 0  # 0 = any free port on cluster.host
     min_cells: int = 1
-    heartbeat_timeout_s: float = 2.0
-    join_timeout_s: float = 0.5
-    quorum_timeout_s: float = 60.0
-    collective_timeout_s: float = 30.0
+    # The rules between these timeouts are checked by validate.py and listed in the README ("Timeouts").
+    heartbeat_timeout_s: float = 2.0  # Lighthouse: a Manager silent this long leaves the quorum (a dead cell)
+    join_timeout_s: float = 0.5  # Lighthouse: once a quorum could form, how long it waits for more members
+    join_retry_s: float = 2.5  # a cell asks again this long while its quorum is smaller than the cells dispatched
+    straggler_grace_s: float = 2.5  # once one cell answered a call, how long the others get before they count as hung
+    quorum_timeout_s: float = 150.0  # a Manager's wait for its quorum; must outlast replacement_deadline_s
+    collective_timeout_s: float = 30.0  # one all-reduce or heal transfer, and the cell's own process group
     replace_failed: bool = True
-    replacement_deadline_s: float = 120.0
+    replacement_deadline_s: float = 120.0  # how long the driver waits for a replacement when below min_cells
     # Before a step, wait up to this long for replacements still setting up (0 = never wait: a replacement
     # joins whenever it is ready). Demos and tests use it to make the heal happen at a predictable step.
     await_replacement_s: float = 0.0

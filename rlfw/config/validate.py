@@ -140,7 +140,7 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
     _choice("fault.role", cfg.fault.role, {"actor", "critic"})
     if cfg.fault.role == "critic" and cfg.algo.name != "ppo":
         raise ConfigError(f"fault.role='critic' needs algo=ppo: algo.name={cfg.algo.name!r} has no critic")
-    _positive("ft.heartbeat_timeout_s", cfg.ft.heartbeat_timeout_s)
+    _validate_ft_timeouts(cfg)
     _positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, allow_zero=True)
     if not cfg.resume:
@@ -150,6 +150,30 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
     _choice("logger.wandb_mode", cfg.logger.wandb_mode, {"auto", "online", "offline", "disabled"})
     if "_target_" not in cfg.task:
         raise ConfigError("task has no _target_: pick a task (task=copy) or give task._target_=module.Class")
+
+
+def _validate_ft_timeouts(cfg) -> None:
+    """The order the fault-tolerance timeouts must fire in, so that a survivor never dies only because a peer's
+    death or a replacement takes long to be noticed or to arrive."""
+    ft = cfg.ft
+    for key in ("heartbeat_timeout_s", "join_timeout_s", "join_retry_s", "straggler_grace_s", "quorum_timeout_s",
+                "collective_timeout_s", "replacement_deadline_s"):
+        _positive(f"ft.{key}", ft[key] if isinstance(ft, DictConfig) else getattr(ft, key))
+    _positive("ft.await_replacement_s", ft.await_replacement_s, allow_zero=True)
+    lapse = ft.heartbeat_timeout_s + ft.join_timeout_s
+    if ft.quorum_timeout_s <= lapse:
+        raise ConfigError(
+            f"ft.quorum_timeout_s={ft.quorum_timeout_s:g} must exceed ft.heartbeat_timeout_s={ft.heartbeat_timeout_s:g}"
+            f" + ft.join_timeout_s={ft.join_timeout_s:g}: the survivors' quorum must outlast the heartbeat that "
+            "drops a dead cell from it"
+        )
+    if cfg.dp.mode == "cells" and ft.min_cells >= 2 and ft.replace_failed and \
+            ft.quorum_timeout_s <= ft.replacement_deadline_s:
+        raise ConfigError(
+            f"ft.quorum_timeout_s={ft.quorum_timeout_s:g} must exceed ft.replacement_deadline_s="
+            f"{ft.replacement_deadline_s:g} with ft.min_cells={ft.min_cells}: below min_cells the survivors wait in "
+            "their quorum for a replacement, and the driver, not their timeout, must decide when to give up"
+        )
 
 
 def _check_architecture_set(model) -> None:

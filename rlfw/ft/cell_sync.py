@@ -37,7 +37,7 @@ class CellSync:
         self.heal_time = None
         self.healed = False
         self.expected = 0  # cells the driver sent this call to; a quorum short of it is retried briefly
-        self.join_deadline_s = cfg.ft.heartbeat_timeout_s + cfg.ft.join_timeout_s
+        self.join_deadline_s = cfg.ft.join_retry_s
 
     def expect(self, num_cells: int) -> None:
         self.expected = num_cells
@@ -46,7 +46,7 @@ class CellSync:
     def begin_step(self):
         """Join the step's quorum. The Lighthouse forms a quorum as soon as the previous members ask, so a cell
         joining (a replacement) can miss it by milliseconds; while the quorum is smaller than the cells the
-        driver dispatched, ask again for up to heartbeat + join timeout, then go on with who is there."""
+        driver dispatched, ask again for up to ft.join_retry_s, then go on with who is there."""
         step_before = self.manager.current_step()
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.join_deadline_s

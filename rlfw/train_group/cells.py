@@ -175,7 +175,7 @@ class CellGroup:
         """Run one call per cell; returns {cell id: leader's result} for the cells that finished.
 
         A cell whose call raises is failed at once. Once one cell has finished, a cell still busy gets
-        ``ft.heartbeat_timeout_s + ft.join_timeout_s`` more; after that it is treated as hung and failed.
+        ``ft.straggler_grace_s`` more; after that it is treated as hung and failed.
         """
         pending = {}
         for cell_id, make_refs in calls.items():
@@ -208,7 +208,7 @@ class CellGroup:
             if phase == "train" and pending and not results:
                 self._rescue_below_min(calls, pending, started)
             if pending and results and grace_deadline is None:
-                grace_deadline = time.monotonic() + self.cfg.ft.heartbeat_timeout_s + self.cfg.ft.join_timeout_s
+                grace_deadline = time.monotonic() + self.cfg.ft.straggler_grace_s
             if pending and grace_deadline is not None and time.monotonic() > grace_deadline:
                 for cell_id in list(pending):
                     del pending[cell_id]
