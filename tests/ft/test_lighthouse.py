@@ -1,0 +1,44 @@
+"""The Lighthouses of a run: the policy's on ft.lighthouse_port (or an external one), the PPO critic's its own."""
+
+import socket
+
+import pytest
+from omegaconf import OmegaConf
+
+from rlfw.config.schema import RLConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.xfail(strict=True, reason="algo=ppo with a fixed ft.lighthouse_port starts a second Lighthouse on it")
+def test_a_fixed_lighthouse_port_is_the_policys_and_the_critic_gets_another():
+    from rlfw.train_group.cells import start_lighthouse
+
+    cfg = OmegaConf.structured(RLConfig)
+    cfg.ft.lighthouse_port = free_port()
+    actor, actor_address = start_lighthouse(cfg, "actor")
+    try:
+        critic, critic_address = start_lighthouse(cfg, "critic")
+        try:
+            assert actor_address == f"http://127.0.0.1:{cfg.ft.lighthouse_port}"
+            assert critic_address.startswith("http://127.0.0.1:") and critic_address != actor_address
+        finally:
+            critic.shutdown()
+    finally:
+        actor.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="algo=ppo with a fixed ft.lighthouse_port starts a second Lighthouse on it")
+def test_an_external_lighthouse_serves_the_policy_only():
+    from rlfw.train_group.cells import start_lighthouse
+
+    cfg = OmegaConf.structured(RLConfig)
+    cfg.ft.lighthouse_address = "http://127.0.0.1:1"
+    assert start_lighthouse(cfg, "actor") == (None, "http://127.0.0.1:1")
+    critic, address = start_lighthouse(cfg, "critic")
+    critic.shutdown()
+    assert address != "http://127.0.0.1:1"
