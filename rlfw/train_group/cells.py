@@ -77,6 +77,18 @@ class Cell:
         self.state = CellState.STOPPED
 
 
+def start_lighthouse(cfg, role: str):
+    """(the Lighthouse this group started or None, the address its cells join). The policy's is the external
+    ``ft.lighthouse_address`` or one on ``ft.lighthouse_port``; the critic's quorums are its own, so it always gets
+    a Lighthouse of its own, on a free port (never the policy's port, which is taken)."""
+    ft = cfg.ft
+    if role == "actor" and ft.lighthouse_address:
+        return None, ft.lighthouse_address
+    port = ft.lighthouse_port if role == "actor" else 0
+    lighthouse = Lighthouse(cfg.cluster.host, port, ft.min_cells, ft.join_timeout_s, ft.heartbeat_timeout_s)
+    return lighthouse, lighthouse.address
+
+
 class CellGroup:
     def __init__(self, cfg, vocab_size: int, role: str = "actor"):
         """``role=critic``: PPO's value model, in cells of its own with their own Lighthouse (critic cell i pairs
@@ -85,13 +97,7 @@ class CellGroup:
         self.metric_prefix = "cell" if role == "actor" else "critic_cell"
         self.events: List[Dict[str, Any]] = []  # failures, joins, heals, quorum changes; drained by the loop
         ft = cfg.ft
-        self.lighthouse = None
-        if ft.lighthouse_address and role == "actor":  # the critic's quorums are its own: its own Lighthouse
-            self.lighthouse_address = ft.lighthouse_address
-        else:
-            self.lighthouse = Lighthouse(cfg.cluster.host, ft.lighthouse_port, ft.min_cells, ft.join_timeout_s,
-                                         ft.heartbeat_timeout_s)
-            self.lighthouse_address = self.lighthouse.address
+        self.lighthouse, self.lighthouse_address = start_lighthouse(cfg, role)
         self.cells: Dict[int, Cell] = {}
         self.quorum_id: Optional[int] = None
         self.failures = 0

@@ -14,7 +14,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.xfail(strict=True, reason="algo=ppo with a fixed ft.lighthouse_port starts a second Lighthouse on it")
 def test_a_fixed_lighthouse_port_is_the_policys_and_the_critic_gets_another():
     from rlfw.train_group.cells import start_lighthouse
 
@@ -32,7 +31,6 @@ def test_a_fixed_lighthouse_port_is_the_policys_and_the_critic_gets_another():
         actor.shutdown()
 
 
-@pytest.mark.xfail(strict=True, reason="algo=ppo with a fixed ft.lighthouse_port starts a second Lighthouse on it")
 def test_an_external_lighthouse_serves_the_policy_only():
     from rlfw.train_group.cells import start_lighthouse
 
