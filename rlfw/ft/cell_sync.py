@@ -16,15 +16,18 @@ import numpy as np
 import torch
 from torch.distributed import ReduceOp
 
+from rlfw.ft.agreement import DisagreementError, verify_agreement
 from rlfw.ft.errors import StateLostError
 from rlfw.ft.manager import make_manager
-from rlfw.train_group.agreement import DisagreementError, verify_agreement
+from rlfw.ft.protocol import SyncHost
 
 _OPS = {"min": ReduceOp.MIN, "max": ReduceOp.MAX}
 
 
 class CellSync:
-    def __init__(self, worker, lighthouse_address: str):
+    """rlfw.ft.protocol.GradSync across cells; ``worker`` is any SyncHost."""
+
+    def __init__(self, worker: SyncHost, lighthouse_address: str):
         self.worker = worker
         cfg = worker.cfg
         self.manager = make_manager(

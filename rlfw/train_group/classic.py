@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 import ray
 import torch.distributed as dist
 
-from rlfw.train_group.agreement import verify_agreement
+from rlfw.ft.agreement import verify_agreement
 from rlfw.train_group.world import World, get_all
 
 

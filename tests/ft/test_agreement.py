@@ -5,7 +5,7 @@ import torch
 
 from rlfw.data.batch import DYNAMIC_GBS, RolloutBatch
 from rlfw.ft.errors import FatalError
-from rlfw.train_group.agreement import DisagreementError, agreement_vector, verify_agreement
+from rlfw.ft.agreement import DisagreementError, agreement_vector, verify_agreement
 
 torch.set_num_threads(1)
 
