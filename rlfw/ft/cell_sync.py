@@ -99,7 +99,7 @@ class CellSync:
             raise
         committed = self.manager.should_commit()
         info: Dict[str, Any] = {"quorum_id": self.quorum_id, "ft_step": self.manager.current_step()}
-        if self.heal_time is not None:
+        if committed and self.heal_time is not None:  # the worker reports committed attempts only: keep it till one
             info["heal_time"], self.heal_time = self.heal_time, None
         if not committed:
             self.worker.trainer.zero_grad()
