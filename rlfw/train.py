@@ -10,11 +10,14 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from rlfw.cluster.worker_setup import KNOWN_WARNINGS_ENV, setup_process
 from rlfw.config import ConfigError, register_configs, validate
+from rlfw.loop import NothingToTrainError
 from rlfw.sweep import run_sweep_job
 
 log = logging.getLogger("rlfw")
@@ -34,6 +37,10 @@ def build_group(cfg, vocab_size: int, role: str = "actor"):
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     started = time.time()
+    known_warnings = run_dir / "logs" / "known_warnings.log"  # harmless start-up warnings, off the console
+    known_warnings.parent.mkdir(parents=True, exist_ok=True)
+    os.environ[KNOWN_WARNINGS_ENV] = str(known_warnings)
+    setup_process()  # before this process imports Megatron
     import ray
     import torch
 
@@ -53,7 +60,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 
         fill_model_config(cfg.model)
     validate(cfg, num_devices=visible_gpus or None)
-    task = instantiate(cfg.task)  # a bad task target or argument fails here, before Ray starts
+    try:  # a bad task target, argument or dataset file fails here, before Ray starts
+        task = instantiate(cfg.task)
+    except InstantiationException as e:
+        raise ConfigError(f"task {cfg.task.get('_target_')} could not be built: {e.__cause__ or e}") from e
     vocab_size = cfg.model.vocab_size or padded_vocab_size(len(task.tokenizer), cfg.dp.tp)
     if len(task.tokenizer) > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the task's tokenizer ({len(task.tokenizer)})")
@@ -68,7 +78,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         log.info("resuming from %s at step %d%s", resume.path, resume.step, f" (rewound {rewound})" if rewound else "")
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
-    start_ray(cfg.cluster)
+    start_ray(cfg.cluster, known_warnings_log=str(known_warnings))
+    log.info("known harmless start-up warnings (no Apex or Transformer Engine on this machine, etc.) go to %s",
+             known_warnings)
     loggers = build_loggers(
         list(cfg.logger.backends), run_dir, cfg.num_steps,
         dict(project=cfg.logger.wandb_project, group=cfg.logger.wandb_group, name=run_dir.name,
@@ -123,10 +135,12 @@ def main(cfg: DictConfig) -> float:
         except ConfigError as e:
             log.error("config error: %s", e)
             sys.exit(2)
+        except NothingToTrainError as e:
+            log.error("cannot train: %s", e)
+            sys.exit(1)
     log.info("run finished: %s (reward/mean %.3f)", run_dir, metrics.get("reward/mean", float("nan")))
     return metrics.get("reward/mean", float("nan"))  # the value Hydra sweepers optimise
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     main()

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from typing import Dict
+from typing import Dict, Optional
 
 import ray
 
+from rlfw.cluster.worker_setup import KNOWN_WARNINGS_ENV
 
-def worker_env(host: str, torch_threads: int) -> Dict[str, str]:
+
+def worker_env(host: str, torch_threads: int, known_warnings_log: Optional[str] = None) -> Dict[str, str]:
     """Environment of every rlfw worker process."""
     env = {
         "OMP_NUM_THREADS": str(torch_threads),
@@ -21,6 +24,8 @@ def worker_env(host: str, torch_threads: int) -> Dict[str, str]:
     }
     if host == "127.0.0.1":
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo picks the interface of the hostname otherwise
+    if known_warnings_log:
+        env[KNOWN_WARNINGS_ENV] = known_warnings_log
     return env
 
 
@@ -40,18 +45,25 @@ def in_ray_worker() -> bool:
     return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
 
 
-def start_ray(cluster) -> None:
+_kept_running = False  # set by keep_ray_running: train() calls attach to this process' Ray and leave it up
+
+
+def start_ray(cluster, known_warnings_log: Optional[str] = None) -> None:
     """``ray.init`` on ``cluster.host`` (or join ``cluster.address``), with rlfw's worker environment.
 
-    Inside a Ray worker (a job of ``hydra/launcher=ray``) the process is already on the cluster that rlfw's sweep
-    callback started, with that environment: it stays attached.
+    Without ``cluster.address`` this is always a fresh local instance (``address="local"``): Ray's own address
+    discovery would otherwise join whatever cluster a ``ray start`` left on this machine. Inside a Ray worker (a job
+    of ``hydra/launcher=ray``) the process is already on the cluster that rlfw's sweep callback started, with that
+    environment, and under ``keep_ray_running`` on the instance that started: both stay attached.
+    ``known_warnings_log``: where every worker writes the known harmless start-up warnings (``worker_setup``).
     """
-    if in_ray_worker():
+    if in_ray_worker() or (_kept_running and ray.is_initialized()):
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RUST_LOG", "warn")  # the driver's torchft Lighthouse logs every quorum at INFO
     kwargs = dict(
-        runtime_env={"env_vars": worker_env(cluster.host, cluster.torch_threads)},
+        runtime_env={"env_vars": worker_env(cluster.host, cluster.torch_threads, known_warnings_log),
+                     "worker_process_setup_hook": "rlfw.cluster.worker_setup.setup_process"},
         include_dashboard=False,
         log_to_driver=True,
         configure_logging=False,
@@ -61,10 +73,26 @@ def start_ray(cluster) -> None:
             check_reachable(cluster.address)
         ray.init(address=cluster.address, **kwargs)
     else:
-        ray.init(num_cpus=cluster.num_cpus, _node_ip_address=cluster.host, **kwargs)
+        ray.init(address="local", num_cpus=cluster.num_cpus, _node_ip_address=cluster.host, **kwargs)
 
 
 def stop_ray() -> None:
-    """Shut down the Ray this process started or joined; a Ray worker leaves its cluster to the launcher."""
-    if ray.is_initialized() and not in_ray_worker():
+    """Shut down the Ray this process started or joined; a Ray worker leaves its cluster to the launcher, and
+    ``keep_ray_running`` leaves its instance to the end of the block."""
+    if ray.is_initialized() and not in_ray_worker() and not _kept_running:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def keep_ray_running(cluster):
+    """Several ``train()`` calls in one process share one Ray instance, started here on ``cluster`` and shut down
+    when the block ends (the test suite uses it: Ray's start-up is paid once, not once per run). Every run's actors
+    and placement groups are still released when that run ends."""
+    global _kept_running
+    start_ray(cluster)
+    _kept_running = True
+    try:
+        yield
+    finally:
+        _kept_running = False
+        stop_ray()

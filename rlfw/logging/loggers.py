@@ -10,6 +10,7 @@ import json
 import math
 import netrc
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -232,43 +233,67 @@ def _netrc_has_wandb_key() -> bool:
 
 
 class ConsoleLogger:
-    """A tqdm progress bar (step/total and a few key metrics) with events printed above it.
+    """One line per step: reward, loss, samples, each replica's share of them, and with cells how many are alive
+    and the quorum id; events are printed as they come.
 
-    Off a terminal (CI logs, redirected stderr) the bar redraws at most every 30 s, so
-    logs get periodic progress lines instead of one per step. The bar's position is the
-    logged step, i.e. steps count completed updates.
+    On a terminal the line is a tqdm progress bar redrawn in place, with events above it; off one (CI logs,
+    redirected stderr) every step is its own plain line, so a log reads as a table.
     """
 
-    POSTFIX_KEYS = ("reward/mean", "loss", "cells/alive")
+    SHARE = re.compile(r"(cell|dp)/(\d+)/num_samples")
 
     def __init__(self, total_steps: int, stream: IO[str] | None = None) -> None:
         self._stream = stream or sys.stderr
-        interactive = self._stream.isatty()
-        self._bar = tqdm(
-            total=total_steps,
-            file=self._stream,
-            unit="step",
-            dynamic_ncols=interactive,
-            mininterval=0.1 if interactive else 30.0,
-        )
+        self._total = total_steps
+        self._bar = None
+        if self._stream.isatty():
+            self._bar = tqdm(total=total_steps, file=self._stream, unit="step", dynamic_ncols=True, mininterval=0.1)
+
+    @classmethod
+    def progress(cls, metrics: Metrics) -> dict[str, Any]:
+        """The step's figures on the progress line, e.g. reward=0.512 loss=-0.031 samples=64 shares=33+31
+        cells=2 quorum=3 (shares: the samples each cell or classic rank trained, in replica order)."""
+        line: dict[str, Any] = {}
+        if "reward/mean" in metrics:
+            line["reward"] = f"{metrics['reward/mean']:.3f}"
+        if "loss" in metrics:
+            line["loss"] = f"{metrics['loss']:.4g}"
+        if "train/num_samples" in metrics:
+            line["samples"] = int(metrics["train/num_samples"])
+        shares = sorted((int(m.group(2)), int(v)) for k, v in metrics.items() if (m := cls.SHARE.fullmatch(k)))
+        if shares:
+            line["shares"] = "+".join(str(n) for _, n in shares)
+        if "cells/alive" in metrics:
+            line["cells"] = int(metrics["cells/alive"])
+        if metrics.get("ft/quorum_id", -1) >= 0:
+            line["quorum"] = int(metrics["ft/quorum_id"])
+        return line
 
     def log(self, metrics: Metrics, step: int) -> None:
-        postfix = {key: metrics[key] for key in self.POSTFIX_KEYS if key in metrics}
-        if postfix:
-            # No refresh here: the update below redraws, rate-limited by mininterval.
-            self._bar.set_postfix(postfix, refresh=False)
-        if step > self._bar.n:
-            self._bar.update(step - self._bar.n)
+        line = self.progress(metrics)
+        if self._bar is None:
+            figures = " ".join(f"{key}={value}" for key, value in line.items())
+            print(f"step {step + 1}/{self._total} {figures}".rstrip(), file=self._stream, flush=True)
+            return
+        if line:
+            self._bar.set_postfix(line, refresh=False)  # the update below redraws, rate-limited by mininterval
+        if step + 1 > self._bar.n:  # the bar counts completed steps
+            self._bar.update(step + 1 - self._bar.n)
 
     def event(self, kind: str, step: int, **fields: Any) -> None:
         details = " ".join(f"{field}={_short(value)}" for field, value in fields.items())
-        self._bar.write(f"[step {step}] {kind} {details}".rstrip(), file=self._stream)
+        text = f"[step {step}] {kind} {details}".rstrip()
+        if self._bar is None:
+            print(text, file=self._stream, flush=True)
+        else:
+            self._bar.write(text, file=self._stream)
 
     def table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
         """Tables are too wide for a terminal; the other loggers keep them."""
 
     def finish(self, exit_code: int = 0) -> None:
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()
 
 
 def _short(value: Any) -> str:

@@ -15,6 +15,7 @@ it is, smaller; the metrics say how many groups were kept, dropped and cut.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,17 @@ def padded_vocab_size(tokenizer_size: int, tp: int) -> int:
     """Embedding rows: the tokenizer's size rounded up so every tensor-parallel rank holds an equal slice."""
     multiple = 8 * tp
     return ((tokenizer_size + multiple - 1) // multiple) * multiple
+
+
+def reward_value(value: Any, task_cfg) -> float:
+    """A reward as a float. Anything but a real number (a string, None, a tensor) is an error naming the task,
+    instead of a silent conversion (``float("0.5")``) or a bare ValueError deep inside a Ray actor."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"the reward function of task {task_cfg.get('_target_')} returned {value!r} ({type(value).__name__}); "
+            "a reward must be a real number (int, float or bool)"
+        )
+    return float(value)
 
 
 @dataclass
@@ -150,7 +162,7 @@ class RolloutManager:
         groups = []
         for index, prompt in enumerate(fitting):
             group = generations[index * n:(index + 1) * n]
-            rewards = [float(self.task.reward(prompt, gen.response_ids)) for gen in group]
+            rewards = [reward_value(self.task.reward(prompt, gen.response_ids), self.cfg.task) for gen in group]
             if not all(math.isfinite(r) for r in rewards):
                 counts["nonfinite"] += 1  # a non-finite reward poisons the group's advantage: drop the whole group
                 continue

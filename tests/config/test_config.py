@@ -21,7 +21,8 @@ def load(*overrides):
 def test_default_config_is_valid():
     cfg = load()
     validate(cfg)
-    assert cfg.dp.mode == "classic" and cfg.split.name == "delayed" and cfg.rollout.backend == "local"
+    assert cfg.dp.mode == "cells" and cfg.dp.num_cells == 2  # what rlfw is for is what a first run shows
+    assert cfg.split.name == "delayed" and cfg.rollout.backend == "local"
     assert cfg.task._target_ == "rlfw.rollout.tasks.copy.CopyTask"
 
 
@@ -63,7 +64,7 @@ def test_unknown_group_option():
 @pytest.mark.parametrize(
     "override,key",
     [
-        ("dp.size=0", "dp.size"),
+        ("dp=classic dp.size=0", "dp.size"),
         ("dp.tp=3", "dp.tp"),
         ("dp.pp=2", "dp.pp"),
         ("split.how=random", "split.how"),
@@ -77,12 +78,13 @@ def test_unknown_group_option():
         ("logger.backends=[jsonl,tensorboard]", "logger.backends"),
         ("resume=", "resume"),
         ("checkpoint.keep_last=-1", "checkpoint.keep_last"),
-        ("fault.kind=kill_once", "fault.kind"),
+        ("dp=classic fault.kind=kill_once", "fault.kind"),
+        ("dp.num_cells=2 ft.min_cells=3", "ft.min_cells"),
     ],
 )
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        validate(load(override))
+        validate(load(*override.split()))
 
 
 def test_too_many_ranks_for_the_gpus():
@@ -102,3 +104,51 @@ def test_unreachable_cluster_address_fails_at_once():
             check_reachable(f"127.0.0.1:{port}")
     with pytest.raises(ValueError, match="not host:port"):
         check_reachable("nonsense")
+
+
+def _train_without_ray(monkeypatch, tmp_path, *overrides):
+    """``train()`` on a composed config, with Ray's start replaced by a failure: what it raises came first."""
+    import rlfw.cluster.ray_cluster as ray_cluster
+    from rlfw.train import train
+
+    def refuse(cluster):
+        raise AssertionError("Ray was started before the config error was found")
+
+    monkeypatch.setattr(ray_cluster, "start_ray", refuse)
+    train(load(f"run_dir={tmp_path}", *overrides), tmp_path)
+
+
+def test_bad_task_target_fails_before_ray(monkeypatch, tmp_path):
+    with pytest.raises(Exception, match="nonexistent"):
+        _train_without_ray(monkeypatch, tmp_path, "task._target_=rlfw.rollout.tasks.nonexistent.Task")
+
+
+def test_bad_value_fails_before_ray(monkeypatch, tmp_path):
+    with pytest.raises(ConfigError, match="rollout.top_p"):
+        _train_without_ray(monkeypatch, tmp_path, "rollout.top_p=0")
+
+
+def test_schema_nodes_are_not_offered_as_group_options():
+    with pytest.raises(Exception) as e:
+        load("split=bogus")
+    options = str(e.value).split("Available options in 'split':")[1].split("Config search path")[0]
+    assert options.split() == ["balanced", "delayed", "eager"]
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, r"dataset file .*data.jsonl does not exist \(task.data_path\)"),
+    ("", r"data.jsonl holds no records"),
+    ('{"answer": "4"}\n', r"record 0 has no field 'question' \(its fields: \['answer'\]\)"),
+])
+def test_a_dataset_that_cannot_be_read_is_a_config_error_naming_the_file(monkeypatch, tmp_path, content, message):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
+    from chat_tokenizer import build_chat_tokenizer
+
+    data = tmp_path / "data.jsonl"
+    if content is not None:
+        data.write_text(content)
+    with pytest.raises(ConfigError, match=r"DatasetTask could not be built: .*" + message):
+        _train_without_ray(monkeypatch, tmp_path, "task=gsm8k", f"task.data_path={data}",
+                           f"task.tokenizer_path={build_chat_tokenizer(tmp_path / 'tokenizer')}")

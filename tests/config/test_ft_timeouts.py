@@ -14,9 +14,12 @@ def test_survivors_wait_longer_in_their_quorum_than_the_driver_waits_for_a_repla
         validate(load("ft.min_cells=2", "ft.quorum_timeout_s=3", "ft.await_replacement_s=120"))
 
 
-def test_a_quorum_outlasts_the_heartbeat_that_drops_a_dead_cell():
-    with pytest.raises(ConfigError, match=r"ft\.quorum_timeout_s=2.*ft\.heartbeat_timeout_s=2"):
-        validate(load("ft.quorum_timeout_s=2", "ft.heartbeat_timeout_s=2"))
+@pytest.mark.parametrize("quorum", [2.0, 2.4, 2.5])
+def test_a_quorum_outlasts_the_heartbeat_and_join_window_that_drop_a_dead_cell(quorum):
+    with pytest.raises(ConfigError, match=rf"ft\.quorum_timeout_s={quorum:g} .*ft\.heartbeat_timeout_s=2 \+ "
+                                          r"ft\.join_timeout_s=0\.5"):
+        validate(load(f"ft.quorum_timeout_s={quorum}", "ft.heartbeat_timeout_s=2", "ft.join_timeout_s=0.5"))
+    validate(load("ft.quorum_timeout_s=2.6", "ft.heartbeat_timeout_s=2", "ft.join_timeout_s=0.5"))
 
 
 def test_the_defaults_follow_the_rules_with_several_required_cells():

@@ -217,17 +217,40 @@ def test_wandb_auto_mode(monkeypatch, tmp_path):
 
 def test_console_logger_without_tty(capsys):
     logger = ConsoleLogger(total_steps=3)  # pytest's captured stderr is not a TTY
-    logger.log({"reward/mean": 0.5, "loss": 1.25, "cells/alive": 4, "other": 7}, step=1)
+    logger.log({"reward/mean": 0.5, "loss": 1.25, "cells/alive": 2, "other": 7, "train/num_samples": 64,
+                "cell/0/num_samples": 33, "cell/1/num_samples": 31, "ft/quorum_id": 1}, step=0)
     logger.event("cell_failure", step=1, cell=2, detect_s=0.123456)
     logger.table("samples", ["a"], [[1]], step=1)
-    logger.log({"reward/mean": 0.75, "loss": 1.0, "cells/alive": 3}, step=3)
+    logger.log({"reward/mean": 0.75, "loss": 1.0, "cells/alive": 1, "train/num_samples": 64,
+                "cell/10/num_samples": 60, "cell/2/num_samples": 4, "ft/quorum_id": 2}, step=1)
+    logger.log({"reward/mean": 0.8, "loss": 0.5, "train/num_samples": 64, "dp/0/num_samples": 32,
+                "dp/1/num_samples": 32}, step=2)
     logger.finish()
 
-    err = capsys.readouterr().err
-    assert "[step 1] cell_failure cell=2 detect_s=0.1235\n" in err
-    final = err.rstrip().rsplit("\r", 1)[-1]
-    assert "3/3" in final and "reward/mean=0.75" in final and "cells/alive=3" in final
-    assert "other" not in err
+    assert capsys.readouterr().err.splitlines() == [
+        "step 1/3 reward=0.500 loss=1.25 samples=64 shares=33+31 cells=2 quorum=1",
+        "[step 1] cell_failure cell=2 detect_s=0.1235",
+        "step 2/3 reward=0.750 loss=1 samples=64 shares=4+60 cells=1 quorum=2",  # replica order, not string order
+        "step 3/3 reward=0.800 loss=0.5 samples=64 shares=32+32",
+    ]
+
+
+def test_console_logger_on_a_terminal_draws_one_bar():
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    logger = ConsoleLogger(total_steps=2, stream=terminal)
+    logger.log({"reward/mean": 0.5, "cell/0/num_samples": 8, "cell/1/num_samples": 8, "cells/alive": 2}, step=0)
+    logger.event("heal", step=1, cell=1)
+    logger.log({"reward/mean": 0.25, "cell/0/num_samples": 16, "cells/alive": 1}, step=1)
+    logger.finish()
+    final = terminal.getvalue().rstrip().rsplit("\r", 1)[-1]
+    assert "2/2" in final and "reward=0.250" in final and "shares=16" in final and "cells=1" in final
+    assert "[step 1] heal cell=1\n" in terminal.getvalue()
 
 
 class _Recorder:
