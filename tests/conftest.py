@@ -1,10 +1,55 @@
-"""Shared test setup: nothing leaves the machine, and worker processes stay single-threaded."""
+"""Shared test setup: nothing leaves the machine, and worker processes stay single-threaded.
+
+Every test that needs Ray shares one local instance (``shared_ray``): Ray's start-up is paid once per session.
+End-to-end tests run after every fast test, so the fast ones report first.
+"""
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_BASE_URL", "http://127.0.0.1:9")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+
+import pytest
+
+E2E_DIR = Path(__file__).parent / "e2e"
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)  # stable: fast tests first
+
+
+@pytest.fixture(scope="session")
+def shared_ray():
+    """One local Ray for every test that needs one; its workers can import the e2e and rollout folders' test
+    tasks (workers inherit PYTHONPATH from the environment Ray started in)."""
+    from omegaconf import OmegaConf
+
+    from rlfw.cluster.ray_cluster import keep_ray_running
+    from rlfw.config.schema import ClusterConfig
+
+    folders = (str(E2E_DIR), str(Path(__file__).parent / "rollout"), os.environ.get("PYTHONPATH"))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in folders if p)
+    with keep_ray_running(OmegaConf.structured(ClusterConfig())):
+        yield
+
+
+@pytest.fixture(scope="session")
+def reference_run(shared_ray, tmp_path_factory):
+    """``reference_run(*overrides)``: the run directory of a fault-free run of those overrides, run once per session
+    and shared by every test that compares against it."""
+    sys.path.insert(0, str(E2E_DIR))
+    from harness import run_rlfw
+
+    runs = {}
+
+    def get(*overrides):
+        if overrides not in runs:
+            runs[overrides] = run_rlfw(tmp_path_factory.mktemp("reference"), *overrides)
+        return runs[overrides]
+
+    return get

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import logging
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -315,8 +316,15 @@ class CellGroup:
         self._on_writer("checkpoint_save", lambda w: w.save.remote(path, step))
 
     def weights_digests(self) -> Dict[int, str]:
+        """Per cell, one SHA-256 over every rank's digest in rank order: equal iff every TP shard is equal."""
         cells = self._require_cells(current_only=True)
-        return dict(zip([c.id for c in cells], get_all([c.world.workers[0].weights_digest.remote() for c in cells])))
+        refs = [[w.weights_digest.remote() for w in c.world.workers] for c in cells]
+        per_rank = get_all([r for rs in refs for r in rs])
+        digests, start = {}, 0
+        for cell, rs in zip(cells, refs):
+            digests[cell.id] = hashlib.sha256("".join(per_rank[start:start + len(rs)]).encode()).hexdigest()
+            start += len(rs)
+        return digests
 
     def step_info(self) -> Dict[str, float]:
         return {"cells/alive": len(self.alive), "ft/quorum_id": self.quorum_id if self.quorum_id is not None else -1,

@@ -61,12 +61,23 @@ def test_grpo_advantages_depend_only_on_the_own_group():
     assert base[:2] == pytest.approx([0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS)])
 
 
-@pytest.mark.parametrize("algo", [GRPO, DR_GRPO, RLOO, REINFORCE_PP_BASELINE], ids=lambda a: f"{a.name}")
+@pytest.mark.parametrize("algo", [GRPO, DR_GRPO, RLOO], ids=lambda a: f"{a.name}")
 @pytest.mark.parametrize("value", [0.7, 0.1, 1.0])  # 0.7 and 0.1: the float mean of three copies is not the value
 def test_zero_variance_group_gets_exactly_zero_advantage(algo, value):
-    adv = ESTIMATORS[algo.name].compute(inputs([value, value, value, 1.0, 0.0], [1, 1, 1, 2, 2]), algo)
+    # unequal response lengths: a group estimator's advantage must not depend on them
+    adv = ESTIMATORS[algo.name].compute(inputs([value, value, value, 1.0, 0.0], [1, 1, 1, 2, 2], [1, 1, 1, 1, 3]),
+                                        algo)
     assert adv[:3] == [0.0, 0.0, 0.0]
     assert adv[3] > 0 > adv[4]
+
+
+def test_reinforce_pp_baseline_whitens_a_zero_variance_group_away_from_zero():
+    """REINFORCE++-baseline subtracts the group mean (0 for an all-equal group), then normalises over every response
+    token of the batch: with unequal lengths the token mean is not 0, so the all-equal group moves with it. By hand:
+    token values [0, 0, 0, 0.5, -0.5, -0.5, -0.5] have mean -1/7 and std sqrt(6)/7, so (0 + 1/7) / (sqrt(6)/7 + EPS)."""
+    adv = ESTIMATORS["reinforce_pp"].compute(inputs([0.7, 0.7, 0.7, 1.0, 0.0], [1, 1, 1, 2, 2], [1, 1, 1, 1, 3]),
+                                             REINFORCE_PP_BASELINE)
+    assert adv[:3] == pytest.approx([(1 / 7) / (6 ** 0.5 / 7 + EPS)] * 3, rel=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------------- RLOO

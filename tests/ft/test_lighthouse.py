@@ -2,7 +2,6 @@
 
 import socket
 
-import pytest
 from omegaconf import OmegaConf
 
 from rlfw.config.schema import RLConfig

@@ -146,11 +146,18 @@ def test_loss_aggregation_matters(trainer, rollout):
     assert not all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(token, sample))
 
 
-def test_own_share_alone_is_not_the_whole_gradient(trainer, rollout):
-    # A replica's part carries the whole minibatch's denominators: its gradient is a share, not a mean.
-    (minibatch,) = with_old_logprobs(rollout, "perturbed").minibatches(0)
-    whole, _ = grads(trainer, [minibatch], "token_mean")
+def test_a_share_is_normalised_by_the_whole_minibatch(trainer, rollout):
+    """A replica's part carries the whole minibatch's denominators: with on-policy ratios (1) its token_mean loss is
+    -sum of A over its own response tokens / every response token of the minibatch. Normalised by its own token
+    count instead, it would be about twice that."""
+    (minibatch,) = with_old_logprobs(rollout, "own").minibatches(0)
     part = split_batch(minibatch, 2, "strided")[0]
-    share, _ = grads(trainer, [part], "token_mean")
-    # Were each part normalised by its own token count, the two shares would sum to roughly twice the gradient.
-    assert not all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(share, whole))
+    _, stats = grads(trainer, [part], "token_mean")
+
+    def advantage_tokens(batch):
+        return sum(sum(a) if isinstance(a, (list, tuple)) else a * n
+                   for a, n in zip(batch.samples["advantage"], batch.response_lengths()))
+
+    total_tokens = sum(minibatch.response_lengths())
+    assert sum(part.response_lengths()) < total_tokens
+    assert stats["loss"] == pytest.approx(-advantage_tokens(part) / total_tokens, rel=1e-5, abs=1e-9)

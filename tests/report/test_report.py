@@ -12,6 +12,7 @@ from PIL import Image
 from rlfw.logging import JsonlLogger
 from rlfw.report.__main__ import main
 from rlfw.report.figures import DPI, RUN_FIGSIZE, SWEEP_FIGSIZE
+from rlfw.report.load import load_run
 from rlfw.sweep import write_failure
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,6 +92,10 @@ def test_cells_run_with_a_failure_and_a_heal(tmp_path):
     assert shown["Events"]["series"] == ["quorum_change", "cell_failed", "cell_replacement_started", "resplit",
                                          "cell_joined", "heal"]
     assert all(panel["note"] is None for panel in shown.values())
+    # the bars: at step 2 cell 1 is dead (it trained nothing there: 0) and cell 0 carries the whole batch
+    run = load_run(run_dir)
+    assert run.replica_series("num_samples") == {"cell/0": [16, 16, 32, 16, 16], "cell/1": [16, 16, 0, 16, 16]}
+    assert run.replica_series("num_tokens") == {"cell/0": [50, 50, 100, 50, 50], "cell/1": [50, 50, 0, 50, 50]}
 
 
 def test_classic_run_without_events_has_an_empty_timeline(tmp_path):

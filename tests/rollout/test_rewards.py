@@ -13,9 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from rlfw.cluster.ray_cluster import start_ray
 from rlfw.config import ConfigError, register_configs
-from rlfw.config.schema import ClusterConfig
 from rlfw.rollout.rewards import RewardError, exact_match_reward, load_reward, math_reward
 from rlfw.rollout.tasks.dataset import DatasetTask
 
@@ -170,13 +168,6 @@ def scorer_kwargs(task, chat_dir, reward):
     """The same task again, to be built inside an actor, with ``reward``."""
     return {"data_path": str(task.data_path), "tokenizer_path": str(chat_dir), "prompt_field": "q",
             "answer_field": "a", "shuffle": False, "reward": reward}
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    start_ray(OmegaConf.structured(ClusterConfig(num_cpus=1)))
-    yield
-    ray.shutdown()
 
 
 def test_math_reward_in_ray_actors(tmp_path, chat_dir, ray_local):

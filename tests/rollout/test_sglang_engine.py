@@ -32,7 +32,7 @@ import requests
 import torch
 
 from rlfw.config import ConfigError, register_configs, validate
-from rlfw.config.schema import ClusterConfig, SGLangConfig
+from rlfw.config.schema import SGLangConfig
 from rlfw.megatron.model import ModelShape
 from rlfw.rollout.engines.local import LocalEngine
 from rlfw.rollout.engines.sglang import SGLangEngine, save_server_checkpoint
@@ -352,15 +352,9 @@ def test_dead_attached_server_gives_a_clear_error(tmp_path):
 # --- launch mode: servers started by Ray actors ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    from rlfw.cluster.ray_cluster import start_ray
-
-    start_ray(ClusterConfig(num_cpus=2))
-    yield
-    ray.shutdown()
+@pytest.fixture(scope="session")
+def ray_cluster(shared_ray):
+    """The session's Ray (tests/conftest.py)."""
 
 
 def launch_cfg(tmp_path: Path, base_port: int, *extra: str, **overrides) -> SGLangConfig:
