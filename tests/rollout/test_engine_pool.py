@@ -94,6 +94,23 @@ def test_no_restart_left_is_a_clear_error(ray_local, setup):
         pool.shutdown()
 
 
+@pytest.mark.xfail(strict=True, reason="past rollout.max_engine_restarts the pool stops the run instead of going on")
+def test_past_the_restart_budget_the_pool_goes_on_with_its_surviving_engines(ray_local, setup):
+    make_pool, shape, tokenizer = setup
+    weights = random_hf_state(shape)
+    pool = make_pool(max_inflight=2, max_restarts=0)
+    try:
+        pool.update_weights(weights, 5)
+        sigkill(pool.health(timeout_s=60)[0]["pid"])
+        out = pool.generate(REQUESTS, PARAMS)  # engine 0's chunk is re-sent to engine 1
+        assert [g.response_ids for g in out] == [g.response_ids for g in reference(shape, tokenizer, weights, 2)]
+        assert pool.num_alive() == 1 and pool.retired == [0] and pool.restarts == 0
+        pool.update_weights(weights, 6)  # the retired slot is skipped from now on
+        assert [h["weight_version"] for h in pool.health(timeout_s=60)] == [6]
+    finally:
+        pool.shutdown()
+
+
 def test_responses_from_other_weights_are_refused(ray_local, setup):
     make_pool, shape, _ = setup
     weights = random_hf_state(shape)
