@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import ray
+from ray.exceptions import GetTimeoutError
 
 from rlfw.algo import algo_options
 from rlfw.algo.advantages import compute_advantages
@@ -46,10 +47,20 @@ def nothing_to_train(cfg, stats: Dict[str, float], step: int) -> Optional[str]:
     return None
 
 
+def wait_for(ref: ray.ObjectRef, cfg, what: str):
+    """The rollout manager's answer, within rollout.step_timeout_s (its engines have shorter deadlines of their own:
+    a manager silent past this one is itself stuck, e.g. in a reward function)."""
+    try:
+        return ray.get(ref, timeout=cfg.rollout.step_timeout_s)
+    except GetTimeoutError:
+        raise TimeoutError(f"{what} did not finish within rollout.step_timeout_s={cfg.rollout.step_timeout_s:g}") \
+            from None
+
+
 def attach_logprobs(group, batch: RolloutBatch) -> RolloutBatch:
     """Recompute every sample's log-probs with the trainer (strided shares, one per replica) before any update,
     so every optimizer step of this rollout uses the same old policy."""
-    parts = strided_partition(len(batch), group.num_replicas)
+    parts = strided_partition(len(batch), group.replica_count())
     results = group.compute_logprobs(ray.put(batch), parts)
     for key in results[0]:
         column: List[Any] = [None] * len(batch)
@@ -105,7 +116,7 @@ def train_critic(cfg, critic, batch: RolloutBatch, minibatches: List[RolloutBatc
     """PPO: train the critic on the same minibatches as the policy (targets ``returns``, clipped around
     ``old_values``), check its accounting and replicas like the policy's (digests into the ledger ``record``);
     returns its metrics."""
-    results = critic.train(plan_split(minibatches, cfg.split, len(critic.replica_ids)))
+    results = critic.train(plan_split(minibatches, cfg.split, len(critic.replica_ids())))
     check_exactly_once(batch, trained_sample_ids(results))
     if cfg.ft.verify_weights_every and step % cfg.ft.verify_weights_every == 0:
         record["critic_weight_digests"] = verify_replicas_equal(critic, step)
@@ -178,7 +189,7 @@ def run_loop(
     ``critic``: PPO's value-model group (None for critic-free estimators); the checkpointer saves it too."""
     started = started if started is not None else time.time()
     version = start_step  # the weight version counts committed RL steps
-    ray.get(manager.update_weights.remote(group.export_weights(), version))
+    wait_for(manager.update_weights.remote(group.export_weights(), version), cfg, "the first weight push")
     ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)  # per step: trained sample ids, weight digests
     loggers.table("algo", ["option", "value"], algo_options(cfg.algo), start_step)  # the combination in use
     metrics: Dict[str, float] = {}
@@ -186,7 +197,7 @@ def run_loop(
     try:
         for step in range(start_step, cfg.num_steps):
             t0 = time.perf_counter()
-            rollout = ray.get(manager.generate.remote(step, version))
+            rollout = wait_for(manager.generate.remote(step, version), cfg, f"step {step}'s rollout")
             batch: RolloutBatch = rollout["batch"]
             metrics = dict(rollout["stats"])
             if len(batch) == 0:
@@ -215,7 +226,7 @@ def run_loop(
                 loggers.event("nonfinite_skip", step, quantity="advantage", samples=bad)
                 loggers.log(metrics, step)
                 continue
-            results = group.train(plan_split(minibatches, cfg.split, len(group.replica_ids)))
+            results = group.train(plan_split(minibatches, cfg.split, len(group.replica_ids())))
             critic_record: Dict[str, Any] = {}
             if critic is not None:
                 metrics.update(train_critic(cfg, critic, batch, minibatches, step, critic_record))
@@ -229,7 +240,8 @@ def run_loop(
                 record["weight_digests"] = verify_replicas_equal(group, step)
             ledger.write(json.dumps({**record, **critic_record}) + "\n")
             version += 1
-            metrics["time/weight_sync"] = ray.get(manager.update_weights.remote(group.export_weights(), version))
+            metrics["time/weight_sync"] = wait_for(manager.update_weights.remote(group.export_weights(), version), cfg,
+                                                   f"step {step}'s weight push")
             metrics.update(step_metrics(batch, results, group.metric_prefix))
             metrics.update(group.step_info())
             for event in group.drain_events():
@@ -246,6 +258,9 @@ def run_loop(
             if checkpointer is not None:
                 checkpointer.maybe_save(step, final=step == cfg.num_steps - 1)
     except BelowMinCellsError as e:
+        for source, role in ((group, {}), (critic, {"role": "critic"})):  # the failures that led here, logged
+            for event in source.drain_events() if source is not None else ():
+                loggers.event(event.pop("kind"), step, **role, **event)
         if checkpointer is None:
             raise
         path = checkpointer.save_now(step)  # the steps before this one are committed on the survivors

@@ -79,7 +79,9 @@ class RolloutConfig:
     num_engines: int = 1
     cpus_per_engine: float = 0.5
     max_inflight_requests: int = 0  # samples one engine works on at a time (one call); 0 = the step's share at once
-    max_engine_restarts: int = 3  # dead engines replaced over the whole run (requests retried); one more stops it
+    max_engine_restarts: int = 3  # dead engines replaced over the run (requests retried); past it a dead one retires
+    engine_call_timeout_s: float = 1800.0  # one engine call (a chunk of generation, a weight load); then it is hung
+    step_timeout_s: float = 7200.0  # the driver's wait for one step's rollout or weight push; then the run stops
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts instead
     max_oversample_rounds: int = 3  # dynamic_sampling: extra sampling rounds per step; then train on what was kept
     kv_cache_gb: float = 0.5  # vllm: CPU memory of each engine's KV cache
@@ -160,7 +162,10 @@ class FTConfig:
     straggler_grace_s: float = 2.5  # once one cell answered a call, how long the others get before they count as hung
     quorum_timeout_s: float = 150.0  # a Manager's wait for its quorum; must outlast replacement_deadline_s
     collective_timeout_s: float = 30.0  # one all-reduce or heal transfer, and the cell's own process group
+    writer_timeout_s: float = 600.0  # one weight export or checkpoint save by the writer; then the next cell writes
     replace_failed: bool = True
+    max_replacements: int = 16  # replacements started over the run (-1: no limit); past it the survivors go on
+    replacement_backoff_s: float = 1.0  # a cell id failing again before it committed waits this, doubled per failure
     replacement_deadline_s: float = 120.0  # how long the driver waits for a replacement when below min_cells
     # Before a step, wait up to this long for replacements still setting up (0 = never wait: a replacement
     # joins whenever it is ready). Demos and tests use it to make the heal happen at a predictable step.

@@ -79,6 +79,12 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
     _positive("rollout.cpus_per_engine", cfg.rollout.cpus_per_engine)
     _positive("rollout.max_inflight_requests", cfg.rollout.max_inflight_requests, allow_zero=True)
     _positive("rollout.max_engine_restarts", cfg.rollout.max_engine_restarts, allow_zero=True)
+    _positive("rollout.engine_call_timeout_s", cfg.rollout.engine_call_timeout_s)
+    if cfg.rollout.step_timeout_s <= cfg.rollout.engine_call_timeout_s:
+        raise ConfigError(
+            f"rollout.step_timeout_s={cfg.rollout.step_timeout_s:g} must exceed rollout.engine_call_timeout_s="
+            f"{cfg.rollout.engine_call_timeout_s:g}: a hung engine must be replaced before the driver gives up"
+        )
     _positive("rollout.max_oversample_rounds", cfg.rollout.max_oversample_rounds, allow_zero=True)
     if cfg.rollout.dynamic_sampling and cfg.rollout.n_samples_per_prompt < 2:
         raise ConfigError(
@@ -157,9 +163,12 @@ def _validate_ft_timeouts(cfg) -> None:
     death or a replacement takes long to be noticed or to arrive."""
     ft = cfg.ft
     for key in ("heartbeat_timeout_s", "join_timeout_s", "join_retry_s", "straggler_grace_s", "quorum_timeout_s",
-                "collective_timeout_s", "replacement_deadline_s"):
+                "collective_timeout_s", "replacement_deadline_s", "writer_timeout_s"):
         _positive(f"ft.{key}", ft[key] if isinstance(ft, DictConfig) else getattr(ft, key))
     _positive("ft.await_replacement_s", ft.await_replacement_s, allow_zero=True)
+    _positive("ft.replacement_backoff_s", ft.replacement_backoff_s, allow_zero=True)
+    if ft.max_replacements < -1:
+        raise ConfigError(f"ft.max_replacements={ft.max_replacements} must be >= 0, or -1 for no limit")
     lapse = ft.heartbeat_timeout_s + ft.join_timeout_s
     if ft.quorum_timeout_s <= lapse:
         raise ConfigError(

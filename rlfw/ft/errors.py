@@ -15,3 +15,7 @@ class BelowMinCellsError(FatalError):
 
 class UnfiredFaultError(RuntimeError):
     """A scheduled kill (``fault=kill_once``) never fired: the run did not test what it was asked to."""
+
+
+class JobError(FatalError):
+    """An error of the job (its disk, its data), not of a cell: every cell would fail the same way."""

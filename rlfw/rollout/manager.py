@@ -77,6 +77,7 @@ class RolloutManager:
             engine_class(rollout.backend).num_actors(self.cfg),
             max_inflight=rollout.max_inflight_requests,
             max_restarts=rollout.max_engine_restarts,
+            call_timeout_s=rollout.engine_call_timeout_s,
         )
 
     def update_weights(self, hf_state, version: int) -> float:
@@ -210,6 +211,7 @@ class RolloutManager:
             "rollout/gen_seconds_mean": float(seconds.mean()),
             "rollout/gen_seconds_max": float(seconds.max()),
             "rollout/engine_restarts": self.pool.restarts,
+            "rollout/engines_alive": self.pool.num_alive(),
             "rollout/weight_version": self.pool.weight_version,  # every response was checked to carry it
             "time/generate": gen_time,
         }

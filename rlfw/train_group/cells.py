@@ -13,21 +13,22 @@ import functools
 import hashlib
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from rlfw.ft.cell_sync import CellSync
-from rlfw.ft.errors import BelowMinCellsError, FatalError
+from rlfw.ft.errors import BelowMinCellsError, FatalError, JobError
 from rlfw.ft.lighthouse import Lighthouse
+from rlfw.train_group.replacements import ReplacementPolicy
 from rlfw.train_group.world import World, get_all
 
 log = logging.getLogger("rlfw.cells")
 
 
 class CellState(enum.Enum):
-    PENDING = "pending"  # planned, no actors yet
+    PLACING = "placing"  # its resources are requested from Ray; it waits there until the cluster has room
     ALLOCATED = "allocated"  # actors placed, Megatron and torchft setting up
     ALIVE = "alive"  # takes part in steps
     ERRORED = "errored"  # failed; its actors are killed and reaped
@@ -40,31 +41,31 @@ class Cell:
     def __init__(self, cell_id: int, cfg, vocab_size: int, lighthouse_address: str, incarnation: int,
                  role: str = "actor"):
         self.id, self.incarnation = cell_id, incarnation
-        self.state = CellState.PENDING
         self.world = World(
             cfg, cfg.dp.tp * cfg.dp.pp, vocab_size, cell=cell_id,
             sync_factory=functools.partial(CellSync, lighthouse_address=lighthouse_address),
             incarnation=incarnation, role=role,
         )
+        self.placement = self.world.place()  # nothing waits: the request stays pending until Ray has room
+        self.state = CellState.PLACING
         self.setup_refs: List[ray.ObjectRef] = []
         self.error: Optional[str] = None
         # Holds the job's trained state: true from the start for the first cells (identical initial weights),
         # and for a replacement only once it healed from a peer and committed a step.
         self.current = incarnation == 0
 
-    def allocate(self) -> None:
-        assert self.state is CellState.PENDING, self.state
-        self.setup_refs = self.world.launch()
-        self.state = CellState.ALLOCATED
-
-    def poll_ready(self) -> bool:
-        """ALLOCATED -> ALIVE once every rank finished set-up; a failed set-up fails the cell."""
+    def poll(self) -> CellState:
+        """PLACING -> ALLOCATED once Ray placed it (its actors are created then), ALLOCATED -> ALIVE once every rank
+        finished set-up; a failed set-up raises. Never blocks."""
+        if self.state is CellState.PLACING and ray.wait([self.placement], timeout=0)[0]:
+            self.setup_refs = self.world.start_actors()
+            self.state = CellState.ALLOCATED
         if self.state is CellState.ALLOCATED:
             ready, _ = ray.wait(self.setup_refs, num_returns=len(self.setup_refs), timeout=0)
             if len(ready) == len(self.setup_refs):
                 ray.get(self.setup_refs)  # raises if a rank failed
                 self.state = CellState.ALIVE
-        return self.state is CellState.ALIVE
+        return self.state
 
     def fail(self, reason: str) -> None:
         """Kill and reap every actor of the cell: a partial cell is never left running."""
@@ -73,8 +74,8 @@ class Cell:
         self.world.shutdown(graceful=False)
 
     def stop(self) -> None:
-        if self.state in (CellState.ALIVE, CellState.ALLOCATED):
-            self.world.shutdown(graceful=True)
+        if self.state in (CellState.ALIVE, CellState.ALLOCATED, CellState.PLACING):
+            self.world.shutdown(graceful=self.state is not CellState.PLACING)
         self.state = CellState.STOPPED
 
 
@@ -102,30 +103,42 @@ class CellGroup:
         self.cells: Dict[int, Cell] = {}
         self.quorum_id: Optional[int] = None
         self.failures = 0
+        self.policy = ReplacementPolicy(ft.replace_failed, ft.max_replacements, ft.replacement_backoff_s)
+        self.scheduled: Dict[int, Tuple[float, int]] = {}  # cell id -> (start not before, incarnation)
         for cell_id in range(cfg.dp.num_cells):
-            self._start_cell(cell_id, incarnation=0)
+            self.cells[cell_id] = self._new_cell(cell_id, incarnation=0)
         deadline = time.monotonic() + ft.replacement_deadline_s
         for cell in self.cells.values():
             while not self._poll(cell):
                 if cell.state is CellState.ERRORED:
                     raise RuntimeError(f"cell {cell.id} failed during start-up: {cell.error}")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"cell {cell.id} not ready within ft.replacement_deadline_s")
+                    why = "its set-up did not finish"
+                    if cell.state is CellState.PLACING:
+                        why = (f"Ray could not place it (free: {ray.available_resources()}); lower "
+                               "cluster.cpus_per_worker or the number of replicas")
+                    raise TimeoutError(f"cell {cell.id} not ready within ft.replacement_deadline_s="
+                                       f"{ft.replacement_deadline_s}: {why}")
                 time.sleep(0.05)
 
     # ------------------------------------------------------------------------------------------ membership
-    def _start_cell(self, cell_id: int, incarnation: int) -> Cell:
-        cell = Cell(cell_id, self.cfg, self.vocab_size, self.lighthouse_address, incarnation, self.role)
-        self.cells[cell_id] = cell
-        cell.allocate()
-        return cell
+    def _new_cell(self, cell_id: int, incarnation: int) -> Cell:
+        return Cell(cell_id, self.cfg, self.vocab_size, self.lighthouse_address, incarnation, self.role)
 
     def _poll(self, cell: Cell) -> bool:
+        """Advance ``cell`` (placed, set up), with an event for each step a replacement takes; whether it is alive."""
+        before = cell.state
         try:
-            return cell.poll_ready()
+            state = cell.poll()
         except (RayActorError, RayTaskError) as e:
             self._fail(cell, f"set-up failed: {e}")
             return False
+        if cell.incarnation > 0 and before is CellState.PLACING and state is not CellState.PLACING:
+            self.policy.on_started()
+            self._event("cell_replacement_started", cell=cell.id, incarnation=cell.incarnation)
+        if cell.incarnation > 0 and before is not CellState.ALIVE and state is CellState.ALIVE:
+            self._event("cell_joined", cell=cell.id, incarnation=cell.incarnation)
+        return state is CellState.ALIVE
 
     def _fail(self, cell: Cell, reason: str, phase: str = "unknown", call_elapsed_s: float = 0.0) -> None:
         if cell.state is CellState.ERRORED:
@@ -135,9 +148,26 @@ class CellGroup:
         cell.fail(reason)
         self._event("cell_failed", cell=cell.id, incarnation=cell.incarnation, phase=phase, reason=reason[:300],
                     detected_at=time.time(), call_elapsed_s=call_elapsed_s)
-        if self.cfg.ft.replace_failed:
-            replacement = self._start_cell(cell.id, incarnation=cell.incarnation + 1)
-            self._event("cell_replacement_started", cell=cell.id, incarnation=replacement.incarnation)
+        not_before = self.policy.on_failure(cell.id)
+        if not_before is not None:
+            self.scheduled[cell.id] = (not_before, cell.incarnation + 1)
+        elif self.cfg.ft.replace_failed:
+            self._event("replacement_budget_spent", cell=cell.id, incarnation=cell.incarnation,
+                        max_replacements=self.cfg.ft.max_replacements, alive=len(self.alive_cells()))
+
+    def _start_due_replacements(self) -> None:
+        """Replacements whose backoff is over ask Ray for their resources (``placement_pending`` until placed)."""
+        now = time.monotonic()
+        for cell_id, (not_before, incarnation) in list(self.scheduled.items()):
+            if now >= not_before:
+                del self.scheduled[cell_id]
+                self.cells[cell_id] = self._new_cell(cell_id, incarnation)
+                self._event("placement_pending", cell=cell_id, incarnation=incarnation)
+
+    def replacements_coming(self) -> bool:
+        """Whether a replacement is scheduled, waiting for room, or setting up."""
+        return bool(self.scheduled) or any(
+            c.state in (CellState.PLACING, CellState.ALLOCATED) for c in self.cells.values())
 
     def _event(self, kind: str, **fields) -> None:
         self.events.append({"kind": kind, **fields})
@@ -146,12 +176,12 @@ class CellGroup:
         events, self.events = self.events, []
         return events
 
-    @property
-    def alive(self) -> List[Cell]:
-        """Cells taking part in the next call; replacements join once their set-up finished."""
+    def alive_cells(self) -> List[Cell]:
+        """Cells taking part in the next call, after starting due replacements and promoting the ready ones."""
+        self._start_due_replacements()
         for cell in list(self.cells.values()):
-            if cell.state is CellState.ALLOCATED and self._poll(cell):
-                self._event("cell_joined", cell=cell.id, incarnation=cell.incarnation)
+            if cell.state in (CellState.PLACING, CellState.ALLOCATED):
+                self._poll(cell)
         return [c for c in sorted(self.cells.values(), key=lambda c: c.id) if c.state is CellState.ALIVE]
 
     def _require_cells(self, current_only: bool = False, minimum: Optional[int] = None) -> List[Cell]:
@@ -159,21 +189,22 @@ class CellGroup:
         replacements up to the deadline when fewer than ``minimum`` (default ft.min_cells) are alive."""
         minimum = self.cfg.ft.min_cells if minimum is None else minimum
         deadline = time.monotonic() + self.cfg.ft.replacement_deadline_s
-        while len(alive := [c for c in self.alive if c.current or not current_only]) < minimum:
-            if time.monotonic() > deadline or not self.cfg.ft.replace_failed:
+        while len(alive := [c for c in self.alive_cells() if c.current or not current_only]) < minimum:
+            if time.monotonic() > deadline or not self.replacements_coming():
                 raise BelowMinCellsError(
-                    f"only {len(alive)} cells alive, below ft.min_cells={self.cfg.ft.min_cells}, and no replacement "
-                    f"became ready within ft.replacement_deadline_s={self.cfg.ft.replacement_deadline_s}"
+                    f"only {len(alive)} cells alive, below ft.min_cells={self.cfg.ft.min_cells}, and "
+                    + (f"no replacement became ready within ft.replacement_deadline_s="
+                       f"{self.cfg.ft.replacement_deadline_s}" if self.replacements_coming() else
+                       "no replacement can come (ft.replace_failed is off or the ft.max_replacements="
+                       f"{self.cfg.ft.max_replacements} are spent)")
                 )
             time.sleep(0.1)
         return alive
 
-    @property
-    def num_replicas(self) -> int:
+    def replica_count(self) -> int:
         """Replicas for the log-prob shares: the cells holding the trained state."""
         return len(self._require_cells(current_only=True))
 
-    @property
     def replica_ids(self) -> List[int]:
         return [c.id for c in self._require_cells()]
 
@@ -230,20 +261,23 @@ class CellGroup:
         survivors time out in their quorum."""
         if len(pending) >= self.cfg.ft.min_cells:
             return
-        if not self.cfg.ft.replace_failed or time.monotonic() > started + self.cfg.ft.replacement_deadline_s:
+        coming = self.replacements_coming()
+        if not coming or time.monotonic() > started + self.cfg.ft.replacement_deadline_s:
             raise BelowMinCellsError(
                 f"only {len(pending)} cells left in the step, below ft.min_cells={self.cfg.ft.min_cells}, and "
-                + ("ft.replace_failed is off" if not self.cfg.ft.replace_failed else
+                + ("no replacement can come (ft.replace_failed is off or the ft.max_replacements="
+                   f"{self.cfg.ft.max_replacements} are spent)" if not coming else
                    f"no replacement became ready within ft.replacement_deadline_s={self.cfg.ft.replacement_deadline_s}")
             )
-        for cell in self.alive:
+        for cell in self.alive_cells():
             if cell.id in calls and cell.id not in pending:
                 pending[cell.id] = calls[cell.id](cell)
 
     def _await_replacements(self) -> None:
+        """Up to ft.await_replacement_s for the replacements under way (scheduled, placing, setting up)."""
         deadline = time.monotonic() + self.cfg.ft.await_replacement_s
-        while any(c.state is CellState.ALLOCATED for c in self.cells.values()) and time.monotonic() < deadline:
-            self.alive  # noqa: B018 -- polling promotes ready cells
+        while self.replacements_coming() and time.monotonic() < deadline:
+            self.alive_cells()
             time.sleep(0.05)
 
     def compute_logprobs(self, batch, parts: List[List[int]]) -> List[Dict[str, Any]]:
@@ -278,6 +312,7 @@ class CellGroup:
             raise RuntimeError("every cell failed during the step; nothing was committed")
         for cell_id in results:
             self.cells[cell_id].current = True  # it committed with its peers: healed if it needed to
+            self.policy.on_committed(cell_id)
         retried: Dict[int, Dict[str, Any]] = {}
         for steps in results.values():
             for s in steps:
@@ -296,17 +331,27 @@ class CellGroup:
         return results
 
     def _on_writer(self, phase: str, call: Callable[[Any], ray.ObjectRef]) -> List[Any]:
-        """Run ``call`` on every rank of the writer (the first alive cell); if the writer dies, fail it and run
-        again on the next alive cell. Returns the object refs of the writer that succeeded."""
+        """Run ``call`` on every rank of the writer (the first alive cell holding the trained state); if the writer
+        dies or does not answer within ft.writer_timeout_s, fail it and run again on the next such cell. An error
+        of the job rather than of the cell (the disk: ``OSError``) stops the run at once: on the next cell it would
+        fail the same way, and failing over would kill every cell in turn. Returns the refs that succeeded."""
+        timeout_s = self.cfg.ft.writer_timeout_s
         while True:
             writer = self._require_cells(current_only=True, minimum=1)[0]
             refs = [call(w) for w in writer.world.workers]
             try:
-                get_all(refs)
+                get_all(refs, timeout_s=timeout_s)
                 return refs
-            except (RayActorError, RayTaskError) as e:
-                self._fail(writer, str(e), phase)
-                self._event("writer_failover", cell=writer.id, phase=phase)
+            except RayTaskError as e:
+                if isinstance(e.cause, (OSError, FatalError)):
+                    raise JobError(f"{phase} failed on cell {writer.id}: {type(e.cause).__name__}: {e.cause}") from e
+                reason = str(e)
+            except RayActorError as e:
+                reason = str(e)
+            except TimeoutError:
+                reason = f"no answer within ft.writer_timeout_s={timeout_s:g} (hung or partitioned)"
+            self._fail(writer, reason, phase)
+            self._event("writer_failover", cell=writer.id, phase=phase)
 
     def export_weights(self) -> ray.ObjectRef:
         """Full weights from the writer cell, for the rollout engines."""
@@ -327,8 +372,9 @@ class CellGroup:
         return digests
 
     def step_info(self) -> Dict[str, float]:
-        return {"cells/alive": len(self.alive), "ft/quorum_id": self.quorum_id if self.quorum_id is not None else -1,
-                "ft/failures": self.failures}
+        return {"cells/alive": len(self.alive_cells()),
+                "ft/quorum_id": self.quorum_id if self.quorum_id is not None else -1,
+                "ft/failures": self.failures, "ft/replacements": self.policy.started}
 
     def shutdown(self) -> None:
         for cell in self.cells.values():

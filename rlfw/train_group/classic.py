@@ -59,7 +59,9 @@ class ClassicGroup:
         self.world = World(cfg, cfg.dp.size * cfg.dp.tp, vocab_size, cell=None, sync_factory=ClassicSync, role=role)
         self.world.start()
 
-    @property
+    def replica_count(self) -> int:
+        return self.num_replicas
+
     def replica_ids(self) -> List[int]:
         return list(range(self.num_replicas))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, List, Optional, Sequence
 
 import ray
@@ -11,12 +12,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlfw.train_group.worker import TrainerWorker, resolve_device
 
+STORE_TIMEOUT_S = 300.0  # a new rank 0's first call: its process starts and imports torch and Megatron first
+
 
 def get_all(refs: Sequence[ray.ObjectRef], timeout_s: Optional[float] = None) -> List[Any]:
-    """``ray.get`` that raises the *first* failure at once instead of waiting on ranks stuck behind it."""
+    """``ray.get`` that raises the *first* failure at once instead of waiting on ranks stuck behind it, and
+    ``TimeoutError`` when not all are done within ``timeout_s`` (None: no deadline)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     pending = list(refs)
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
         if not ready:
             raise TimeoutError(f"{len(pending)} calls did not finish within {timeout_s} s")
         ray.get(ready)
@@ -32,32 +38,43 @@ class World:
         self.tp = cfg.dp.tp
         self.workers: List[Any] = []
         self.pg = None
+        self.bundle: dict = {}
 
-    def launch(self, placement_timeout_s: float = 60.0) -> List[ray.ObjectRef]:
-        """Create the actors; returns the refs of their set-up calls (await with ``get_all``)."""
+    def place(self) -> ray.ObjectRef:
+        """Ask Ray for the world's resources, one bundle per rank on one node (``STRICT_PACK``: a cell never spans
+        nodes); returns the placement group's ready ref. Nothing waits here: the request stays pending until the
+        cluster has room."""
         use_gpu = resolve_device(self.cfg).type == "cuda"
-        bundle = {"CPU": self.cfg.cluster.cpus_per_worker}
+        self.bundle = {"CPU": self.cfg.cluster.cpus_per_worker}
         if use_gpu:
-            bundle["GPU"] = self.cfg.cluster.gpus_per_worker  # a share < 1 puts several cells on one GPU
-        self.pg = placement_group([bundle] * self.world_size, strategy="PACK")
-        ready, _ = ray.wait([self.pg.ready()], timeout=placement_timeout_s)
-        if not ready:
-            raise RuntimeError(
-                f"cannot place {self.world_size} trainer ranks of {bundle} within {placement_timeout_s:.0f} s: "
-                f"the Ray cluster has {ray.available_resources()} free; lower cluster.cpus_per_worker or the "
-                "number of replicas"
-            )
+            self.bundle["GPU"] = self.cfg.cluster.gpus_per_worker  # a share < 1 puts several cells on one GPU
+        self.pg = placement_group([self.bundle] * self.world_size, strategy="STRICT_PACK")
+        return self.pg.ready()
+
+    def start_actors(self) -> List[ray.ObjectRef]:
+        """Once placed: create the actors; returns the refs of their set-up calls (await with ``get_all``)."""
         cfg = OmegaConf.to_container(self.cfg, resolve=True)
         self.workers = [
             TrainerWorker.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
                 name=None,
             ).remote(cfg, rank, self.world_size, self.vocab_size, self.cell, self.incarnation, self.role)
             for rank in range(self.world_size)
         ]
-        port = ray.get(self.workers[0].serve_store.remote())
+        port = get_all([self.workers[0].serve_store.remote()], timeout_s=STORE_TIMEOUT_S)[0]
         return [w.setup.remote(port, self.sync_factory) for w in self.workers]
+
+    def launch(self, placement_timeout_s: float = 60.0) -> List[ray.ObjectRef]:
+        """Place and create the actors, waiting at most ``placement_timeout_s`` for room; returns the set-up refs."""
+        ready, _ = ray.wait([self.place()], timeout=placement_timeout_s)
+        if not ready:
+            raise RuntimeError(
+                f"cannot place {self.world_size} trainer ranks of {self.bundle} within {placement_timeout_s:.0f} s: "
+                f"the Ray cluster has {ray.available_resources()} free; lower cluster.cpus_per_worker or the "
+                "number of replicas"
+            )
+        return self.start_actors()
 
     def start(self) -> None:
         get_all(self.launch())

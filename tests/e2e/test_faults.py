@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import (CLASSIC2, CLASSIC2_MINIBATCHES, REFERENCE, SAMPLES_PER_STEP, check_every_sample_once,
+from harness import (CLASSIC2, CLASSIC2_MINIBATCHES, REFERENCE, SAMPLES_PER_STEP, STEPS, check_every_sample_once,
                      final_model, max_abs_diff, read_jsonl, run_rlfw)
 
 from rlfw.checkpoint.layout import read_meta
@@ -102,14 +102,20 @@ def test_report_of_a_run_with_failures(delayed_run):
 def test_kills_in_the_allreduce_and_after_the_vote_with_several_optimizer_steps(reference_run, tmp_path):
     """split=balanced, 3 optimizer steps per rollout (24 + 24 + 16 samples): a death inside the gradient
     all-reduce of the first minibatch, and one after the vote (the survivor commits that minibatch and trains
-    the other two alone)."""
+    the other two alone). ft.max_replacements=1: the second death gets no replacement, and the survivor trains
+    every later step alone."""
     reference = reference_run(*CLASSIC2_MINIBATCHES)
     run_dir = run_rlfw(tmp_path / "run", *FAULTS, "dp.num_cells=2", "split=balanced", "algo.global_batch_size=24",
-                       *kills((1, 1, "during_allreduce", 0), (1, 3, "after_vote", 1)))
-    events = check_run(run_dir, reference, steps_alone={1: [0]})
+                       "ft.max_replacements=1", *kills((1, 1, "during_allreduce", 0), (1, 3, "after_vote", 1)))
+    events = check_run(run_dir, reference, steps_alone={1: [0], **{step: [0] for step in range(4, STEPS)}})
     assert [f[:3] for f in failed(events)] == [(1, 1, 0), (3, 1, 1)]
+    assert heal_steps(events) == [2]
+    spent = [e for e in events if e["kind"] == "replacement_budget_spent"]
+    assert [(e["step"], e["cell"], e["max_replacements"], e["alive"]) for e in spent] == [(3, 1, 1, 1)]
+    assert [e["incarnation"] for e in events if e["kind"] == "cell_replacement_started"] == [1]
     rows, ref_rows = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")
     assert all(r["train/optimizer_steps"] == 3 for r in rows)
+    assert [r["cells/alive"] for r in rows[4:]] == [1] * (STEPS - 4) and rows[-1]["ft/replacements"] == 1
     # before any fault, the cells' balanced split computes the classic world's step
     assert math.isclose(rows[0]["loss"], ref_rows[0]["loss"], rel_tol=1e-6, abs_tol=1e-9)
     # after the vote: the dead cell's first minibatch is committed (its share is vouched for by the survivor)

@@ -1,12 +1,13 @@
-"""Resume: a run stopped at step k and resumed equals the run that never stopped, across dp modes and cell counts.
+"""Resume: a run stopped at step k and resumed equals the run that never stopped, across dp modes.
 
 Rollouts are a function of (seed, step) and the checkpoint holds model, optimizer and cursor, so a resumed run
-repeats the uninterrupted one's computation: bitwise where the arithmetic is the same (classic DP=2 and two cells
-add the same two numbers), to float round-off where another cell count sums the gradients in another order.
-The uninterrupted run is the session's classic DP=2 reference, which keeps a checkpoint every 2 steps.
+repeats the uninterrupted one's computation: bitwise, since classic DP=2 and two cells add the same two numbers.
+A checkpoint holds one replica's state, which every cell (or classic rank) loads alike, so another cell count
+takes the same path. The uninterrupted run is the session's classic DP=2 reference (a checkpoint every 2 steps).
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,11 +45,10 @@ def kill_job_during_save(run_dir: Path, steps_done: int, *overrides) -> None:
         "the kill did not land inside the save"
 
 
-def test_resume_across_a_killed_job_a_lost_cell_three_layouts_and_a_corrupt_checkpoint(reference_run, tmp_path,
-                                                                                         caplog):
-    """One run through four jobs: classic, killed during its second save -> two cells, one of which dies with
-    ft.min_cells=2 and no replacement (the survivor's state is saved) -> three cells -> its checkpoint truncated on
-    disk, so classic again falls back to the cells' one and redoes the last steps."""
+def test_resume_across_a_killed_job_a_lost_cell_and_a_corrupt_checkpoint(reference_run, tmp_path, caplog):
+    """One run through three jobs: classic, killed during its second save -> two cells, one of which dies with
+    ft.min_cells=2 and no replacement (the survivor's state is saved) -> classic again, past a newer checkpoint
+    that is truncated on disk, from the cells' one."""
     straight = reference_run(*CLASSIC2)
     run_dir = tmp_path / "run"
     kill_job_during_save(run_dir, 2, "dp=classic", "num_steps=4", *EVERY_STEP)
@@ -62,28 +62,31 @@ def test_resume_across_a_killed_job_a_lost_cell_three_layouts_and_a_corrupt_chec
     assert saved["layout"] == {"dp_mode": "cells", "replicas": 2, "tp": 1} and saved["wandb_run_id"] == first_id
     # step 1 redone on two cells after the lost save: bitwise the classic world's
     assert max_abs_diff(checkpoint_model(run_dir, 2), checkpoint_model(straight, 2)) == 0.0
+    failures = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "cell_failed"]
+    assert [(e["step"], e["cell"]) for e in failures] == [(2, 1)]  # logged although the step never finished
 
-    run_rlfw(run_dir, "dp=cells", "dp.num_cells=3", "num_steps=3", *EVERY_STEP, "resume=auto")
-    three = run_dir / "checkpoints" / "step_3"
-    assert read_meta(three)["layout"] == {"dp_mode": "cells", "replicas": 3, "tp": 1}
-    last = read_jsonl(run_dir / "ledger.jsonl")[-1]  # three cells trained step 2, all equal
-    assert last["step"] == 2 and len(last["weight_digests"]) == 3 and len(set(last["weight_digests"].values())) == 1
-    victim = max((p for p in three.rglob("*") if p.is_file() and p.suffix != ".json"), key=lambda p: p.stat().st_size)
+    newer = run_dir / "checkpoints" / "step_4"  # a newer checkpoint whose largest file was cut short
+    shutil.copytree(straight / "checkpoints" / "step_4", newer)
+    victim = max((p for p in newer.rglob("*") if p.is_file() and p.suffix != ".json"), key=lambda p: p.stat().st_size)
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
     (run_dir / "checkpoints" / "step_5.tmp").mkdir()  # a save that never finished
     run_rlfw(run_dir, "dp=classic", "num_steps=4", *EVERY_STEP, "resume=auto")
-    assert "skipping checkpoint" in caplog.text and "step_3" in caplog.text
-    # resumed from the two cells' step_2 and redid steps 2 and 3: bitwise the uninterrupted run
+    assert "skipping checkpoint" in caplog.text and "step_4" in caplog.text
+    # resumed from the two cells' step_2 and redid steps 2 and 3 (a fresh step_4 replaced the corrupt one):
+    # bitwise the uninterrupted run
     assert max_abs_diff(checkpoint_model(run_dir, 4), checkpoint_model(straight, 4)) == 0.0
 
     assert [e["step"] for e in read_jsonl(run_dir / "ledger.jsonl")] == [0, 1, 2, 3]  # every step trained once
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in read_jsonl(straight / "metrics.jsonl")[:4]]
-    # one W&B run across the four jobs: every offline run directory carries the first job's id
+    # one W&B run across the three jobs: every offline run directory carries the first job's id
     runs = sorted((run_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 4 and all(r.name.endswith(first_id) for r in runs)
+    assert len(runs) == 3 and all(r.name.endswith(first_id) for r in runs)
     assert read_meta(run_dir / "checkpoints" / "step_4")["wandb_run_id"] == first_id
-    assert [e["kind"] for e in read_jsonl(run_dir / "events.jsonl")].count("resumed") == 3
+    # the last job redid step 2 on: the second job's records of it (its failure) were moved to .rewound
+    events, rewound = read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "events.jsonl.rewound")
+    assert [(e["kind"], e["step"]) for e in events if e["kind"] == "resumed"] == [("resumed", 1), ("resumed", 2)]
+    assert [(e["cell"], e["incarnation"]) for e in rewound if e["kind"] == "cell_failed"] == [(1, 0)]
     assert read_wandb_offline_history(run_dir)  # the resumed runs' files are readable

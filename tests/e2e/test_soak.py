@@ -8,7 +8,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_random_kills_over_many_steps(run):
-    steps = 40
+    steps = 30
     run_dir = run("soak", "dp=cells", "dp.num_cells=3", f"num_steps={steps}", "fault=random",
                   "fault.probability=0.01", "fault.seed=3", "ft.await_replacement_s=60",
                   "ft.verify_weights_every=1", "split=balanced", "rollout.num_prompts=16")

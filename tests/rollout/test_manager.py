@@ -86,17 +86,22 @@ def test_batch_columns_truncation_timing_and_versions(ray_local, tmp_path):
     assert again["batch"].samples["tokens"] == batch.samples["tokens"]  # a step's rollout is a function of the step
 
 
-def test_killed_engine_is_replaced_mid_rollout_until_restarts_run_out(ray_local, tmp_path):
+def test_killed_engine_is_replaced_then_retired_past_the_budget(ray_local, tmp_path):
     manager = start_manager(tmp_path, "rollout.num_engines=2", "rollout.max_engine_restarts=1")
     try:
-        reference = ray.get(manager.generate.remote(0, 0))["batch"]
+        reference = [ray.get(manager.generate.remote(step, 0))["batch"] for step in (0, 1)]
         sigkill(ray.get(manager.health.remote())[0]["pid"])
         out = ray.get(manager.generate.remote(0, 0))
-        assert out["stats"]["rollout/engine_restarts"] == 1
-        assert out["batch"].samples["tokens"] == reference.samples["tokens"]  # same samples despite the death
+        assert out["stats"]["rollout/engine_restarts"] == 1 and out["stats"]["rollout/engines_alive"] == 2
+        assert out["batch"].samples["tokens"] == reference[0].samples["tokens"]  # same samples despite the death
 
-        sigkill(ray.get(manager.health.remote())[1]["pid"])
-        with pytest.raises(Exception, match="rollout.max_engine_restarts=1 restarts are used up"):
+        sigkill(ray.get(manager.health.remote())[1]["pid"])  # the budget is spent: engine 1 is retired
+        out = ray.get(manager.generate.remote(1, 0))
+        assert out["stats"]["rollout/engine_restarts"] == 1 and out["stats"]["rollout/engines_alive"] == 1
+        assert out["batch"].samples["tokens"] == reference[1].samples["tokens"]
+
+        sigkill(ray.get(manager.health.remote())[0]["pid"])
+        with pytest.raises(Exception, match="the last serving rollout engine .* rollout.max_engine_restarts=1"):
             ray.get(manager.generate.remote(1, 0))
     finally:
         ray.get(manager.shutdown.remote())

@@ -1,8 +1,6 @@
 """The replacement policy of cells: a budget over the run, a backoff for a cell id that keeps failing."""
 
-import pytest
-
-pytestmark = pytest.mark.xfail(strict=True, reason="replacements are unbounded and start again at once")
+from rlfw.train_group.replacements import MAX_BACKOFF_S, ReplacementPolicy
 
 
 class Clock:
@@ -14,8 +12,6 @@ class Clock:
 
 
 def test_a_first_failure_is_replaced_at_once_and_repeated_ones_back_off():
-    from rlfw.train_group.replacements import MAX_BACKOFF_S, ReplacementPolicy  # noqa: F401
-
     clock = Clock()
     policy = ReplacementPolicy(True, -1, backoff_s=1.0, clock=clock)
     assert policy.on_failure(1) == 100.0
@@ -30,8 +26,6 @@ def test_a_first_failure_is_replaced_at_once_and_repeated_ones_back_off():
 
 
 def test_past_the_budget_no_replacement_comes():
-    from rlfw.train_group.replacements import MAX_BACKOFF_S, ReplacementPolicy  # noqa: F401
-
     policy = ReplacementPolicy(True, 2, backoff_s=0.0, clock=Clock())
     for cell in (0, 1):
         assert policy.on_failure(cell) is not None
@@ -40,15 +34,11 @@ def test_past_the_budget_no_replacement_comes():
 
 
 def test_a_failure_that_is_not_started_costs_nothing():
-    from rlfw.train_group.replacements import MAX_BACKOFF_S, ReplacementPolicy  # noqa: F401
-
     # a replacement waiting for room (or in its backoff) is not counted: only started ones are
     policy = ReplacementPolicy(True, 1, backoff_s=0.0, clock=Clock())
     assert policy.on_failure(0) is not None and policy.on_failure(0) is not None and policy.budget_left()
 
 
 def test_replacements_off_or_a_zero_budget_replace_nothing():
-    from rlfw.train_group.replacements import MAX_BACKOFF_S, ReplacementPolicy  # noqa: F401
-
     assert ReplacementPolicy(False, -1, 1.0).on_failure(0) is None
     assert ReplacementPolicy(True, 0, 1.0).on_failure(0) is None

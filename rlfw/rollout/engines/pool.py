@@ -4,16 +4,20 @@ Requests go out in chunks: every engine holds at most one call of at most ``max_
 next chunk when it answers, so a fast engine takes more of the work and no engine queues more than the limit
 (memory, latency of a weight update). When an engine's actor dies (its process was killed, ran out of memory,
 crashed in native code), the pool starts a new one in its slot, loads the current weights into it *before* it
-serves, and sends the dead engine's chunk out again; after ``max_restarts`` restarts over the pool's life it gives
-up with ``EngineRestartsExhausted``. A retried chunk is the same requests with the same seed, so a death does not
-change what a seeded step samples. Every response must carry the weight version the caller expects: one from
-other weights raises ``StaleWeightsError`` rather than reach the trainer.
+serves, and sends the dead engine's chunk out again. After ``max_restarts`` restarts over the pool's life a dead
+engine is retired instead: the pool goes on with the engines still serving (a run loses throughput, not its
+progress), and only when none is left does it give up with ``EngineRestartsExhausted``. A retried chunk is the
+same requests with the same seed, so a death does not change what a seeded step samples. Every response must
+carry the weight version the caller expects: one from other weights raises ``StaleWeightsError`` rather than
+reach the trainer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -24,9 +28,11 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from rlfw.rollout.types import Generation, SamplingParams
 
+log = logging.getLogger("rlfw.rollout")
+
 
 class EngineRestartsExhausted(RuntimeError):
-    """An engine died and the pool may not restart another one."""
+    """The last serving engine died and the pool may not restart another one."""
 
 
 class StaleWeightsError(RuntimeError):
@@ -46,14 +52,18 @@ class EnginePool:
     start); ``max_inflight`` = 0 sends every engine an equal share in one call."""
 
     def __init__(
-        self, start_engine: Callable[[int, int], Any], num_engines: int, max_inflight: int, max_restarts: int
+        self, start_engine: Callable[[int, int], Any], num_engines: int, max_inflight: int, max_restarts: int,
+        call_timeout_s: float = 1800.0, start_timeout_s: float = 600.0,
     ) -> None:
         self._start_engine = start_engine
         self.max_inflight = max_inflight
         self.max_restarts = max_restarts
+        self.call_timeout_s = call_timeout_s  # one generate or weight-load call; past it the engine counts as hung
+        self.start_timeout_s = start_timeout_s  # a new engine's process start, added to its first call's deadline
         self.incarnations = [0] * num_engines
-        self.engines = [start_engine(i, 0) for i in range(num_engines)]
+        self.engines = [start_engine(i, 0) for i in range(num_engines)]  # None: a slot retired past the budget
         self.restarts = 0
+        self.retired: list[int] = []
         # The weights every engine must hold: (object ref, version); None before the first update.
         self._weights: tuple[ray.ObjectRef, int] | None = None
 
@@ -61,53 +71,74 @@ class EnginePool:
     def weight_version(self) -> int | None:
         return None if self._weights is None else self._weights[1]
 
+    def num_alive(self) -> int:
+        """Engines serving: every slot but the retired ones."""
+        return len(self.engines) - len(self.retired)
+
+    def _serving(self) -> list[int]:
+        return [i for i, engine in enumerate(self.engines) if engine is not None]
+
     def update_weights(self, hf_state, version: int) -> None:
         """Load ``hf_state`` (a dict or its object ref) into every engine; a dead engine is replaced and loaded."""
         ref = hf_state if isinstance(hf_state, ray.ObjectRef) else ray.put(hf_state)
         self._weights = (ref, version)
-        calls = [engine.update_weights.remote(ref, version) for engine in self.engines]
-        for index, call in enumerate(calls):
+        calls = {index: self.engines[index].update_weights.remote(ref, version) for index in self._serving()}
+        for index, call in calls.items():
             try:
-                ray.get(call)
-            except RayActorError as e:
+                ray.get(call, timeout=self.call_timeout_s)
+            except (RayActorError, GetTimeoutError) as e:
                 self._restart(index, e)
 
     def health(self, timeout_s: float) -> list[dict[str, Any]]:
-        """Each engine's health answer; an engine that is dead or does not answer in ``timeout_s`` is replaced."""
-        calls = [engine.health.remote() for engine in self.engines]
+        """The health answer of each serving engine; one that is dead or does not answer in ``timeout_s`` is
+        replaced (or retired past the restart budget, and then left out)."""
+        calls = {index: self.engines[index].health.remote() for index in self._serving()}
         answers = []
-        for index, call in enumerate(calls):
+        for index, call in calls.items():
             try:
                 answers.append(ray.get(call, timeout=timeout_s))
             except (RayActorError, GetTimeoutError) as e:
-                self._restart(index, e)
-                answers.append(ray.get(self.engines[index].health.remote(), timeout=timeout_s))
+                if self._restart(index, e):
+                    answers.append(ray.get(self.engines[index].health.remote(), timeout=timeout_s))
         return answers
 
     def generate(self, requests: list[list[int]], params: SamplingParams) -> list[Generation]:
         """One response per request, in order, all from the weights of the last ``update_weights``."""
         if self._weights is None:
             raise RuntimeError("EnginePool.generate called before update_weights: the engines hold no policy")
+        # Chunks are cut by the configured engine count, not the serving one: a retired engine changes who serves a
+        # chunk, never the chunks (or their seeds), so a seeded step samples the same responses.
         chunk_size = self.max_inflight or max(1, math.ceil(len(requests) / len(self.engines)))
         pending = deque(range(len(requests)))
         results: list[Generation | None] = [None] * len(requests)
-        inflight: dict[ray.ObjectRef, tuple[int, list[int]]] = {}
-        idle = deque(range(len(self.engines)))
+        inflight: dict[ray.ObjectRef, tuple[int, list[int], float]] = {}
+        idle = deque(self._serving())
         while pending or inflight:
             while idle and pending:
                 index = idle.popleft()
                 chunk = [pending.popleft() for _ in range(min(chunk_size, len(pending)))]
                 call = self.engines[index].generate.remote([requests[i] for i in chunk], chunk_params(params, chunk))
-                inflight[call] = (index, chunk)
-            [done], _ = ray.wait(list(inflight), num_returns=1)
-            index, chunk = inflight.pop(done)
-            idle.append(index)
+                inflight[call] = (index, chunk, time.monotonic() + self.call_timeout_s)
+            first_deadline = min(deadline for _, _, deadline in inflight.values())
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=max(0.0, first_deadline - time.monotonic()))
+            if not ready:  # the oldest call is past its deadline: its engine hangs
+                done = min(inflight, key=lambda ref: inflight[ref][2])
+                index, chunk, _ = inflight.pop(done)
+                pending.extendleft(reversed(chunk))
+                hung = GetTimeoutError(f"engine {index} did not answer a generate call within {self.call_timeout_s} s")
+                if self._restart(index, hung):
+                    idle.append(index)
+                continue
+            [done] = ready
+            index, chunk, _ = inflight.pop(done)
             try:
                 generations = ray.get(done)
             except RayActorError as e:
                 pending.extendleft(reversed(chunk))  # first in line again, on whichever engine is free next
-                self._restart(index, e)
+                if self._restart(index, e):
+                    idle.append(index)
                 continue
+            idle.append(index)
             for i, generation in zip(chunk, generations):
                 self._check_version(index, generation)
                 results[i] = generation
@@ -115,8 +146,9 @@ class EnginePool:
 
     def shutdown(self) -> None:
         """Let every live engine release what it started, then end the actors."""
-        calls = [engine.shutdown.remote() for engine in self.engines]
-        for engine, call in zip(self.engines, calls):
+        engines = [self.engines[index] for index in self._serving()]
+        calls = [engine.shutdown.remote() for engine in engines]
+        for engine, call in zip(engines, calls):
             try:
                 ray.get(call)
             except RayActorError:
@@ -130,22 +162,31 @@ class EnginePool:
                 f"engine {index} answered with weights v{generation.weight_version}, expected v{expected}"
             )
 
-    def _restart(self, index: int, cause: Exception) -> None:
-        """Replace engine ``index`` and load the current weights into it before it serves anything."""
+    def _restart(self, index: int, cause: Exception) -> bool:
+        """Replace engine ``index`` and load the current weights into it before it serves anything; past the
+        restart budget, retire the slot instead. Returns whether the slot serves again."""
         while True:
-            if self.restarts >= self.max_restarts:
-                raise EngineRestartsExhausted(
-                    f"rollout engine {index} failed ({type(cause).__name__}: {cause}) and the "
-                    f"rollout.max_engine_restarts={self.max_restarts} restarts are used up"
-                ) from cause
             ray.kill(self.engines[index])  # a hung engine must not come back as a twin
+            if self.restarts >= self.max_restarts:
+                self.engines[index] = None
+                self.retired.append(index)
+                if not self.num_alive():
+                    first_line = str(cause).splitlines()[0] if str(cause) else ""
+                    raise EngineRestartsExhausted(
+                        f"the last serving rollout engine ({index}) failed ({type(cause).__name__}: {first_line}) and "
+                        f"the rollout.max_engine_restarts={self.max_restarts} restarts are used up"
+                    ) from cause
+                log.warning("rollout engine %d failed (%s) past rollout.max_engine_restarts=%d: retired, %d engines "
+                            "serve on", index, type(cause).__name__, self.max_restarts, self.num_alive())
+                return False
             self.restarts += 1
             self.incarnations[index] += 1
             self.engines[index] = self._start_engine(index, self.incarnations[index])
             if self._weights is None:
-                return
+                return True
             try:
-                ray.get(self.engines[index].update_weights.remote(*self._weights))
-                return
-            except RayActorError as e:
+                ray.get(self.engines[index].update_weights.remote(*self._weights),
+                        timeout=self.start_timeout_s + self.call_timeout_s)
+                return True
+            except (RayActorError, GetTimeoutError) as e:
                 cause = e
