@@ -17,6 +17,7 @@ KNOWN_WARNINGS_ENV = "RLFW_KNOWN_WARNINGS_LOG"
 KNOWN_HARMLESS = re.compile(
     r"Apex is not installed|Transformer Engine and Apex are not installed|full scope is deprecated"
     r"|tp_group is None, using default tp group|MLP requires ffn_hidden_size"
+    r"|The given buffer is not writable"  # torchft's heal transport wraps a received read-only buffer
 )
 
 

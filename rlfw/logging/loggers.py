@@ -273,7 +273,7 @@ class ConsoleLogger:
         line = self.progress(metrics)
         if self._bar is None:
             figures = " ".join(f"{key}={value}" for key, value in line.items())
-            print(f"step {step + 1}/{self._total} {figures}".rstrip(), file=self._stream, flush=True)
+            print(f"step {step} ({step + 1}/{self._total}) {figures}".rstrip(), file=self._stream, flush=True)
             return
         if line:
             self._bar.set_postfix(line, refresh=False)  # the update below redraws, rate-limited by mininterval

@@ -228,10 +228,10 @@ def test_console_logger_without_tty(capsys):
     logger.finish()
 
     assert capsys.readouterr().err.splitlines() == [
-        "step 1/3 reward=0.500 loss=1.25 samples=64 shares=33+31 cells=2 quorum=1",
+        "step 0 (1/3) reward=0.500 loss=1.25 samples=64 shares=33+31 cells=2 quorum=1",
         "[step 1] cell_failure cell=2 detect_s=0.1235",
-        "step 2/3 reward=0.750 loss=1 samples=64 shares=4+60 cells=1 quorum=2",  # replica order, not string order
-        "step 3/3 reward=0.800 loss=0.5 samples=64 shares=32+32",
+        "step 1 (2/3) reward=0.750 loss=1 samples=64 shares=4+60 cells=1 quorum=2",  # replica order, not string order
+        "step 2 (3/3) reward=0.800 loss=0.5 samples=64 shares=32+32",
     ]
 
 
