@@ -153,7 +153,8 @@ class CellGroup:
             self.scheduled[cell.id] = (not_before, cell.incarnation + 1)
         elif self.cfg.ft.replace_failed:
             self._event("replacement_budget_spent", cell=cell.id, incarnation=cell.incarnation,
-                        max_replacements=self.cfg.ft.max_replacements, alive=len(self.alive_cells()))
+                        max_replacements=self.cfg.ft.max_replacements,
+                        alive=sum(c.state is CellState.ALIVE for c in self.cells.values()))
 
     def _start_due_replacements(self) -> None:
         """Replacements whose backoff is over ask Ray for their resources (``placement_pending`` until placed)."""
