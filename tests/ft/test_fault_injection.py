@@ -59,6 +59,7 @@ def test_unfired_kills_are_listed(tmp_path):
     assert len(unfired_kills(fault, str(tmp_path))) == 2
     (tmp_path / "faults").mkdir()
     (tmp_path / "faults" / "kill_0").write_text("{}")
-    assert unfired_kills(fault, str(tmp_path)) == [{"cell": 0, "step": 3, "phase": "weight_sync", "incarnation": -1}]
+    assert unfired_kills(fault, str(tmp_path)) == [{"cell": 0, "step": 3, "phase": "weight_sync", "incarnation": -1,
+                                                   "signal": "kill", "duration_s": 0.0}]
     assert unfired_kills(fault_cfg(kind="random", probability=0.5), str(tmp_path)) == []
     assert unfired_kills(fault_cfg(kind="none"), str(tmp_path)) == []
