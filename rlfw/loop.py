@@ -18,6 +18,7 @@ from rlfw.algo import algo_options
 from rlfw.algo.advantages import compute_advantages
 from rlfw.algo.gae import explained_variance, returns
 from rlfw.algo.nonfinite import nonfinite_advantages, skipped_steps, verdict
+from rlfw.checkpoint.partial import PartialStep
 from rlfw.data.batch import EagerParts, RolloutBatch, split_batch
 from rlfw.data.partition import strided_partition
 from rlfw.ft.errors import BelowMinCellsError
@@ -77,7 +78,8 @@ def plan_split(minibatches: List[RolloutBatch], split, num_replicas: int):
         plans = []
         for mb in minibatches:
             parts = split_batch(mb, num_replicas, split.how, split.attention_weight)
-            plans.append(EagerParts([ray.put(p) for p in parts], [list(p.sample_ids) for p in parts]))
+            where = {k: mb.meta[k] for k in ("step", "minibatch_index")}
+            plans.append(EagerParts([ray.put(p) for p in parts], [list(p.sample_ids) for p in parts], where))
         return plans
     return ray.put(minibatches)
 
@@ -112,12 +114,13 @@ def step_metrics(batch: RolloutBatch, results: Dict[int, List[Dict[str, Any]]], 
     return m
 
 
-def train_critic(cfg, critic, batch: RolloutBatch, minibatches: List[RolloutBatch], step: int, record: Dict):
+def train_critic(cfg, critic, batch: RolloutBatch, minibatches: List[RolloutBatch], step: int, record: Dict,
+                 done_ids: List[int]):
     """PPO: train the critic on the same minibatches as the policy (targets ``returns``, clipped around
     ``old_values``), check its accounting and replicas like the policy's (digests into the ledger ``record``);
-    returns its metrics."""
+    returns its metrics. ``done_ids``: samples it trained in this step before a save (a resumed step)."""
     results = critic.train(plan_split(minibatches, cfg.split, len(critic.replica_ids())))
-    check_exactly_once(batch, trained_sample_ids(results))
+    check_exactly_once(batch, done_ids + trained_sample_ids(results))
     if cfg.ft.verify_weights_every and step % cfg.ft.verify_weights_every == 0:
         record["critic_weight_digests"] = verify_replicas_equal(critic, step)
     m: Dict[str, float] = {}
@@ -144,14 +147,21 @@ def trained_sample_ids(results: Dict[int, List[Dict[str, Any]]]) -> List[int]:
     """The sample ids trained in committed optimizer steps, from what the surviving replicas report.
 
     A replica that died after contributing to a committed step reports nothing; its share is known from any
-    survivor of that step (``participant_ids``: every participant's part, which they all agreed on).
+    survivor of that step (``participant_ids``: every participant's part, which they all agreed on). Every report
+    of one minibatch must name the same commit (quorum id, torchft step, participants): two commits of one
+    minibatch would be a fork, replicas that trained it apart.
     """
     per_minibatch: Dict[int, List[int]] = {}
+    commits: Dict[int, tuple] = {}
     own: Dict[int, List[int]] = {}
-    for steps in results.values():
+    for replica, steps in results.items():
         for s in steps:
             mb = s["minibatch_index"]
             own.setdefault(mb, []).extend(s["sample_ids"])
+            commit = (s.get("quorum_id"), s.get("ft_step"), s.get("num_replicas"))
+            if commits.setdefault(mb, commit) != commit:
+                raise RuntimeError(f"minibatch {mb} was committed twice: (quorum id, torchft step, participants) "
+                                   f"{commits[mb]} vs {commit} of replica {replica}")
             if s.get("participant_ids") is not None:
                 ids = [i for p in s["participant_ids"] for i in p]
                 if mb in per_minibatch and sorted(per_minibatch[mb]) != sorted(ids):
@@ -181,12 +191,47 @@ def verify_replicas_equal(group, step: int) -> Dict[str, str]:
     return {str(k): v for k, v in digests.items()}
 
 
+def prepare_step(cfg, group, critic, manager, loggers, step: int, version: int) -> Optional[PartialStep]:
+    """Generate step ``step``'s rollout, attach the trainers' log-probs (and the critic's values) and the advantages:
+    the step as it will train (nothing committed yet), or None when the step is skipped (logged)."""
+    rollout = wait_for(manager.generate.remote(step, version), cfg, f"step {step}'s rollout")
+    batch: RolloutBatch = rollout["batch"]
+    metrics = dict(rollout["stats"])
+    if len(batch) == 0:
+        cause = nothing_to_train(cfg, metrics, step)
+        if cause is not None:
+            raise NothingToTrainError(cause)
+        loggers.event("empty_batch", step, reason="dynamic sampling kept no group with reward variance")
+        loggers.log(metrics, step)
+        return None
+    t1 = time.perf_counter()
+    batch = attach_logprobs(group, batch)
+    if critic is not None:  # the critic's pre-update phase attaches its values (old_values) the same way
+        batch = attach_logprobs(critic, batch)
+    metrics["time/logprobs"] = time.perf_counter() - t1
+    batch.samples["advantage"], advantage_stats = compute_advantages(batch, cfg.algo)
+    metrics.update(advantage_stats)
+    if critic is not None:
+        batch.samples["returns"] = returns(batch.samples["advantage"], batch.samples["old_values"])
+        metrics["critic/explained_variance"] = explained_variance(batch.samples["old_values"], batch.samples["returns"])
+    bad = nonfinite_advantages(batch.samples["advantage"])
+    if bad:  # under algo.on_nonfinite=stop, verdict raises
+        num_minibatches = len(batch.minibatches(cfg.algo.global_batch_size))
+        metrics.update(verdict(cfg.algo.on_nonfinite, step, {"advantage": num_minibatches},
+                               f" in {bad} of {len(batch)} samples"))
+        loggers.event("nonfinite_skip", step, quantity="advantage", samples=bad)
+        loggers.log(metrics, step)
+        return None
+    return PartialStep(step, batch, metrics, rollout["examples"])
+
+
 def run_loop(
     cfg, group, manager, loggers, run_dir: Path, checkpointer=None, started: Optional[float] = None,
-    start_step: int = 0, critic=None,
+    start_step: int = 0, critic=None, resumed: Optional[PartialStep] = None,
 ) -> Dict[str, float]:
     """Steps ``start_step`` .. ``num_steps - 1`` (a resumed run starts past the steps its checkpoint holds).
-    ``critic``: PPO's value-model group (None for critic-free estimators); the checkpointer saves it too."""
+    ``critic``: PPO's value-model group (None for critic-free estimators); the checkpointer saves it too.
+    ``resumed``: the step a save below ft.min_cells interrupted; it is finished first, on its saved batch."""
     started = started if started is not None else time.time()
     version = start_step  # the weight version counts committed RL steps
     wait_for(manager.update_weights.remote(group.export_weights(), version), cfg, "the first weight push")
@@ -194,50 +239,35 @@ def run_loop(
     loggers.table("algo", ["option", "value"], algo_options(cfg.algo), start_step)  # the combination in use
     metrics: Dict[str, float] = {}
     step = start_step
+    current: Optional[PartialStep] = None  # the step under way: what a save below ft.min_cells keeps
     try:
         for step in range(start_step, cfg.num_steps):
             t0 = time.perf_counter()
-            rollout = wait_for(manager.generate.remote(step, version), cfg, f"step {step}'s rollout")
-            batch: RolloutBatch = rollout["batch"]
-            metrics = dict(rollout["stats"])
-            if len(batch) == 0:
-                cause = nothing_to_train(cfg, metrics, step)
-                if cause is not None:
-                    raise NothingToTrainError(cause)
-                loggers.event("empty_batch", step, reason="dynamic sampling kept no group with reward variance")
-                loggers.log(metrics, step)
-                continue
-            t1 = time.perf_counter()
-            batch = attach_logprobs(group, batch)
-            if critic is not None:  # the critic's pre-update phase attaches its values (old_values) the same way
-                batch = attach_logprobs(critic, batch)
-            t2 = time.perf_counter()
-            batch.samples["advantage"], advantage_stats = compute_advantages(batch, cfg.algo)
-            metrics.update(advantage_stats)
-            if critic is not None:
-                batch.samples["returns"] = returns(batch.samples["advantage"], batch.samples["old_values"])
-                metrics["critic/explained_variance"] = explained_variance(batch.samples["old_values"],
-                                                                          batch.samples["returns"])
+            if resumed is not None and resumed.step == step:
+                current = resumed
+            else:
+                current = prepare_step(cfg, group, critic, manager, loggers, step, version)
+                if current is None:
+                    continue
+            batch, metrics, examples = current.batch, dict(current.metrics), current.examples
             minibatches = batch.minibatches(cfg.algo.global_batch_size)
-            bad = nonfinite_advantages(batch.samples["advantage"])
-            if bad:  # under algo.on_nonfinite=stop, verdict raises
-                metrics.update(verdict(cfg.algo.on_nonfinite, step, {"advantage": len(minibatches)},
-                                       f" in {bad} of {len(batch)} samples"))
-                loggers.event("nonfinite_skip", step, quantity="advantage", samples=bad)
-                loggers.log(metrics, step)
-                continue
+            t2 = time.perf_counter()
             results = group.train(plan_split(minibatches, cfg.split, len(group.replica_ids())))
             critic_record: Dict[str, Any] = {}
             if critic is not None:
-                metrics.update(train_critic(cfg, critic, batch, minibatches, step, critic_record))
+                metrics.update(train_critic(cfg, critic, batch, minibatches, step, critic_record,
+                                            current.done_sample_ids("critic", minibatches)))
                 for event in critic.drain_events():
                     loggers.event(event.pop("kind"), step, role="critic", **event)
             t3 = time.perf_counter()
-            trained = trained_sample_ids(results)
+            trained = current.done_sample_ids("actor", minibatches) + trained_sample_ids(results)
             check_exactly_once(batch, trained)
+            current = None  # every minibatch is committed: a save from here on is between steps
             record = {"step": step, "sample_ids": sorted(trained)}
             if cfg.ft.verify_weights_every and step % cfg.ft.verify_weights_every == 0:
+                t_verify = time.perf_counter()
                 record["weight_digests"] = verify_replicas_equal(group, step)
+                metrics["time/verify_weights"] = time.perf_counter() - t_verify
             ledger.write(json.dumps({**record, **critic_record}) + "\n")
             version += 1
             metrics["time/weight_sync"] = wait_for(manager.update_weights.remote(group.export_weights(), version), cfg,
@@ -246,7 +276,7 @@ def run_loop(
             metrics.update(group.step_info())
             for event in group.drain_events():
                 loggers.event(event.pop("kind"), step, **event)
-            metrics.update({"time/logprobs": t2 - t1, "time/train": t3 - t2, "time/step": time.perf_counter() - t0,
+            metrics.update({"time/train": t3 - t2, "time/step": time.perf_counter() - t0,
                             "time/elapsed": time.time() - started})
             skipped = skipped_steps(results)
             metrics.update(verdict(cfg.algo.on_nonfinite, step, skipped))
@@ -254,7 +284,7 @@ def run_loop(
                 loggers.event("nonfinite_skip", step, quantity=quantity, optimizer_steps=count)
             loggers.log(metrics, step)
             if step % 10 == 0:
-                loggers.table("generations", ["sample_id", "prompt", "response", "reward"], rollout["examples"], step)
+                loggers.table("generations", ["sample_id", "prompt", "response", "reward"], examples, step)
             if checkpointer is not None:
                 checkpointer.maybe_save(step, final=step == cfg.num_steps - 1)
     except BelowMinCellsError as e:
@@ -263,8 +293,15 @@ def run_loop(
                 loggers.event(event.pop("kind"), step, **role, **event)
         if checkpointer is None:
             raise
-        path = checkpointer.save_now(step)  # the steps before this one are committed on the survivors
-        raise BelowMinCellsError(f"{e}; the trained state of {step} steps is saved in {path}") from e
+        if current is not None:  # the survivors may be inside the step: the save says how far they got
+            current.done = {"actor": group.minibatches_committed(step)}
+            if critic is not None:
+                current.done["critic"] = critic.minibatches_committed(step)
+            if not any(current.done.values()):
+                current = None  # nothing of the step committed: a save between steps
+        path = checkpointer.save_now(step, partial=current)
+        held = f" and {current.done} minibatches of step {step}" if current is not None else ""
+        raise BelowMinCellsError(f"{e}; the trained state of {step} steps{held} is saved in {path}") from e
     finally:
         ledger.close()
     return metrics

@@ -45,6 +45,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     import torch
 
     from rlfw.checkpoint import Checkpointer
+    from rlfw.checkpoint.partial import read_partial
     from rlfw.checkpoint.resume import check_compatible, resolve_resume, rewind_step_logs
     from rlfw.cluster.ray_cluster import start_ray, stop_ray
     from rlfw.ft.errors import UnfiredFaultError
@@ -99,7 +100,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         if resume is not None:
             loggers.event("resumed", resume.step, checkpoint=str(resume.path), saved_layout=resume.meta["layout"])
         start_step = resume.step if resume else 0
-        metrics = run_loop(cfg, group, manager, loggers, run_dir, checkpointer, started, start_step, critic=critic)
+        metrics = run_loop(cfg, group, manager, loggers, run_dir, checkpointer, started, start_step, critic=critic,
+                           resumed=read_partial(resume.path) if resume else None)
         missed = unfired_kills(cfg.fault, cfg.run_dir)
         if missed:
             raise UnfiredFaultError(

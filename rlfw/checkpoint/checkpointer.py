@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfw.checkpoint.layout import commit, prune, staging_dir, step_dir
+from rlfw.checkpoint.partial import PartialStep, write_partial
 
 
 class Checkpointer:
@@ -30,13 +31,16 @@ class Checkpointer:
         self.layout = {"dp_mode": cfg.dp.mode, "replicas": replicas, "tp": cfg.dp.tp}
         self.shape = dataclasses.asdict(shape)
 
-    def save_now(self, steps_done: int) -> Path:
+    def save_now(self, steps_done: int, partial: PartialStep | None = None) -> Path:
+        """Save ``steps_done`` complete RL steps, and with ``partial`` the one under way (``checkpoint.partial``)."""
         staging = staging_dir(self.root, steps_done)
         self.group.save(str(staging), steps_done)
         if self.critic is not None:
             self.critic.save(str(staging / "critic"), steps_done)
+        if partial is not None:
+            write_partial(staging, partial)
         meta = {"step": steps_done, "model_shape": self.shape, "layout": self.layout, "critic": self.critic is not None,
-                **self.run_info()}
+                "partial_step": partial.done if partial is not None else None, **self.run_info()}
         path = commit(staging, step_dir(self.root, steps_done), meta)
         prune(self.root, self.keep_last)
         return path

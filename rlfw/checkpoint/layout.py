@@ -3,6 +3,7 @@
     <root>/step_<n>/          n = RL steps done; the trainer's Megatron distributed checkpoint (model and
                               optimizer sharded by global offsets, so another TP layout can load it; cursor and RNG
                               in its common state), plus
+        partial_step.pkl      only in a save inside an RL step: that step's batch (rlfw.checkpoint.partial)
         rlfw.json             step, model shape, W&B run id, dp layout, and the size and SHA-256 of every file
         COMPLETE              written last: a directory without it was never committed
 

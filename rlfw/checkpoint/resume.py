@@ -6,7 +6,7 @@ model shape is refused. The dp layout may differ: every replica holds the same s
 resumes on 2, or on a classic world, and back.
 
 Rollouts need no saved state: prompts and the engines' sampling seeds are functions of (seed, step), so the step
-count is the data cursor.
+count is the data cursor; only a save inside a step keeps that step's batch (``rlfw.checkpoint.partial``).
 """
 
 from __future__ import annotations

@@ -158,10 +158,15 @@ class FTConfig:
     # The rules between these timeouts are checked by validate.py and listed in the README ("Timeouts").
     heartbeat_timeout_s: float = 2.0  # Lighthouse: a Manager silent this long leaves the quorum (a dead cell)
     join_timeout_s: float = 0.5  # Lighthouse: once a quorum could form, how long it waits for more members
-    join_retry_s: float = 2.5  # a cell asks again this long while its quorum is smaller than the cells dispatched
-    straggler_grace_s: float = 2.5  # once one cell answered a call, how long the others get before they count as hung
-    quorum_timeout_s: float = 150.0  # a Manager's wait for its quorum; must outlast replacement_deadline_s
-    collective_timeout_s: float = 30.0  # one all-reduce or heal transfer, and the cell's own process group
+    stall_timeout_s: float = 15.0  # the driver fails a cell whose Manager the Lighthouse has not heard this long
+    # A call still running past max(min_phase_timeout_s, phase_timeout_factor x the slowest earlier call of its
+    # phase) fails the cell (slow but beating); the first call of a phase (warm-up) gets first_call_timeout_s.
+    phase_timeout_factor: float = 5.0
+    min_phase_timeout_s: float = 60.0
+    first_call_timeout_s: float = 1800.0
+    quorum_timeout_s: float = 150.0  # a Manager's wait for its quorum (beyond the call's deadline, for its peers)
+    collective_timeout_s: float = 30.0  # one all-reduce, and the cell's own process group
+    heal_min_bandwidth_mb_s: float = 50.0  # a heal may take collective_timeout_s + state bytes at this rate
     writer_timeout_s: float = 600.0  # one weight export or checkpoint save by the writer; then the next cell writes
     replace_failed: bool = True
     max_replacements: int = 16  # replacements started over the run (-1: no limit); past it the survivors go on
@@ -170,7 +175,9 @@ class FTConfig:
     # Before a step, wait up to this long for replacements still setting up (0 = never wait: a replacement
     # joins whenever it is ready). Demos and tests use it to make the heal happen at a predictable step.
     await_replacement_s: float = 0.0
-    verify_weights_every: int = 0  # compare every replica's weights bitwise (SHA-256) every N steps; 0 = never
+    # Compare every replica's weights bitwise (SHA-256 of every rank's shard) every N steps; 0 = never. The default
+    # costs well under 1 % of the run (time/verify_weights in the metrics; BENCHMARKS.md).
+    verify_weights_every: int = 10
 
 
 @dataclass
@@ -182,7 +189,10 @@ class FaultConfig:
     cell: int = 0  # kill_once: which cell (-1 = whichever gets there first)
     step: int = 1  # kill_once: the first RL step at which the kill may fire
     phase: str = "before_forward"  # a phase of rlfw.ft.faults.PHASES (random: or "any")
-    extra_kills: List[Dict[str, Any]] = field(default_factory=list)  # more {cell, step, phase, incarnation}
+    signal: str = "kill"  # kill (SIGKILL: the cell dies) | stop (SIGSTOP every rank from outside, then SIGCONT)
+    duration_s: float = 0.0  # signal=stop: how long the cell stays stopped
+    extra_kills: List[Dict[str, Any]] = field(default_factory=list)  # more {cell, step, phase, incarnation, signal,
+    # duration_s}
     probability: float = 0.0  # random: chance per cell, step and phase
     seed: int = 0
 

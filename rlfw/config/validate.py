@@ -144,6 +144,12 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
     if cfg.fault.kind != "none" and cfg.dp.mode != "cells":
         raise ConfigError(f"fault.kind={cfg.fault.kind!r} needs dp=cells: classic DP cannot survive a death")
     _choice("fault.role", cfg.fault.role, {"actor", "critic"})
+    for index, entry in enumerate([cfg.fault] + list(cfg.fault.extra_kills)):
+        name = "fault" if index == 0 else f"fault.extra_kills[{index - 1}]"
+        how, duration = entry.get("signal", cfg.fault.signal), entry.get("duration_s", cfg.fault.duration_s)
+        _choice(f"{name}.signal", how, {"kill", "stop"})
+        if how == "stop" and not duration > 0:
+            raise ConfigError(f"{name}.signal='stop' needs {name}.duration_s > 0 (how long the cell stays stopped)")
     if cfg.fault.role == "critic" and cfg.algo.name != "ppo":
         raise ConfigError(f"fault.role='critic' needs algo=ppo: algo.name={cfg.algo.name!r} has no critic")
     _validate_ft_timeouts(cfg)
@@ -162,8 +168,9 @@ def _validate_ft_timeouts(cfg) -> None:
     """The order the fault-tolerance timeouts must fire in, so that a survivor never dies only because a peer's
     death or a replacement takes long to be noticed or to arrive."""
     ft = cfg.ft
-    for key in ("heartbeat_timeout_s", "join_timeout_s", "join_retry_s", "straggler_grace_s", "quorum_timeout_s",
-                "collective_timeout_s", "replacement_deadline_s", "writer_timeout_s"):
+    for key in ("heartbeat_timeout_s", "join_timeout_s", "stall_timeout_s", "phase_timeout_factor",
+                "min_phase_timeout_s", "first_call_timeout_s", "quorum_timeout_s", "collective_timeout_s",
+                "heal_min_bandwidth_mb_s", "replacement_deadline_s", "writer_timeout_s"):
         _positive(f"ft.{key}", ft[key] if isinstance(ft, DictConfig) else getattr(ft, key))
     _positive("ft.await_replacement_s", ft.await_replacement_s, allow_zero=True)
     _positive("ft.replacement_backoff_s", ft.replacement_backoff_s, allow_zero=True)
@@ -176,6 +183,19 @@ def _validate_ft_timeouts(cfg) -> None:
             f" + ft.join_timeout_s={ft.join_timeout_s:g}: the survivors' quorum must outlast the heartbeat that "
             "drops a dead cell from it"
         )
+    if ft.min_phase_timeout_s <= ft.stall_timeout_s:
+        raise ConfigError(
+            f"ft.min_phase_timeout_s={ft.min_phase_timeout_s:g} must exceed ft.stall_timeout_s={ft.stall_timeout_s:g}:"
+            " a stalled cell is failed by its silent heartbeat; a phase deadline is for cells that beat but are slow"
+        )
+    if ft.first_call_timeout_s < ft.min_phase_timeout_s:
+        raise ConfigError(
+            f"ft.first_call_timeout_s={ft.first_call_timeout_s:g} must be at least ft.min_phase_timeout_s="
+            f"{ft.min_phase_timeout_s:g}: a phase's first call (warm-up) is its slowest"
+        )
+    if ft.phase_timeout_factor < 1:
+        raise ConfigError(f"ft.phase_timeout_factor={ft.phase_timeout_factor:g} must be >= 1: a deadline below the "
+                          "measured time of a phase fails healthy cells")
     if cfg.dp.mode == "cells" and ft.min_cells >= 2 and ft.replace_failed and \
             ft.quorum_timeout_s <= ft.replacement_deadline_s:
         raise ConfigError(

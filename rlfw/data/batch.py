@@ -7,11 +7,15 @@ because every replica needs them. Keeping the two kinds in two dicts means no ke
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence
 
 from rlfw.data.partition import partition, workload_cost
 
+# A minibatch's sample ids (in order) as a 52-bit integer, set with its minibatch_index: replicas compare it before
+# they commit a step (rlfw.ft.agreement), so a replica sent other data cannot commit with them.
+SAMPLE_IDS_DIGEST = "sample_ids_digest"
 # The global loss denominators of one optimizer step travel with the data under this per-batch key.
 DYNAMIC_GBS = "dynamic_global_batch_size"
 
@@ -54,7 +58,12 @@ class RolloutBatch:
         for index, part in enumerate(parts):
             part.meta[DYNAMIC_GBS] = {"num_samples": len(part), "num_tokens": part.num_response_tokens()}
             part.meta["minibatch_index"] = index
+            part.meta[SAMPLE_IDS_DIGEST] = ids_digest(part.sample_ids)
         return parts
+
+
+def ids_digest(ids: Sequence[int]) -> int:
+    return int(hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:13], 16)
 
 
 @dataclass
@@ -64,6 +73,7 @@ class EagerParts:
 
     refs: List[Any]
     sample_ids: List[List[int]]
+    meta: Dict[str, Any]  # the minibatch's step and minibatch_index: where it is in the run, without a fetch
 
 
 def split_batch(batch: RolloutBatch, num_parts: int, how: str, attention_weight: float = 0.0) -> List[RolloutBatch]:

@@ -19,3 +19,7 @@ class UnfiredFaultError(RuntimeError):
 
 class JobError(FatalError):
     """An error of the job (its disk, its data), not of a cell: every cell would fail the same way."""
+
+
+class FencedError(RuntimeError):
+    """A cell the driver took out of the run (rlfw.ft.membership) tried to take part again; it is refused."""

@@ -1,8 +1,17 @@
-"""The torchft Lighthouse: decides each step's quorum (which cells participate) and its membership epoch."""
+"""The torchft Lighthouse: decides each step's quorum (which cells participate) and its membership epoch, and
+hears every cell's heartbeat."""
 
 from __future__ import annotations
 
+import re
+import urllib.request
+from typing import Dict
+
 from torchft.coordination import LighthouseServer
+
+# One line per replica on the Lighthouse's /status page (torchft 0.2.0's templates/status.html), e.g.
+# ``cell_1:4f0c...: seen 0.0123s ago``. torchft has no other way to read the heartbeats; tests/ft pins the format.
+_HEARTBEAT = re.compile(r"^\s*(\S+): seen ([0-9.eE+-]+)s ago\s*$", re.MULTILINE)
 
 
 class Lighthouse:
@@ -21,3 +30,12 @@ class Lighthouse:
 
     def shutdown(self) -> None:
         self._server.shutdown()
+
+
+def heartbeat_ages(address: str, timeout_s: float = 2.0) -> Dict[str, float]:
+    """Seconds since the Lighthouse at ``address`` last heard each replica id (every replica it ever heard: a dead
+    incarnation stays listed, ageing). A torchft Manager heartbeats from native threads, so a cell busy in Python
+    compute still beats; a stopped, partitioned or vanished one does not. Raises OSError if it cannot be read."""
+    with urllib.request.urlopen(f"{address}/status", timeout=timeout_s) as response:
+        page = response.read().decode()
+    return {replica: float(age) for replica, age in _HEARTBEAT.findall(page)}

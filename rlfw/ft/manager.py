@@ -48,8 +48,11 @@ def make_manager(
     device: torch.device,
     collective_timeout_s: float,
     quorum_timeout_s: float,
+    heal_timeout_s: float,
     shared_device: bool = False,
 ) -> Manager:
+    """``collective_timeout_s`` bounds each collective (the process group's own timeout); ``heal_timeout_s`` the
+    Manager's operations, the heal's state transfer among them, which takes as long as the state is large."""
     timeout = timedelta(seconds=collective_timeout_s)
     # NCCL cannot join two processes on one GPU: cells sharing a device meet over Gloo (CUDA tensors go through host
     # memory), and heals stage the state on the host.
@@ -63,7 +66,7 @@ def make_manager(
             state_dict=state_dict,
             min_replica_size=min_replicas,
             use_async_quorum=False,  # a joining cell heals inside start_quorum and contributes in the same step
-            timeout=timeout,
+            timeout=timedelta(seconds=max(heal_timeout_s, collective_timeout_s)),
             quorum_timeout=timedelta(seconds=quorum_timeout_s),
             connect_timeout=timeout,
             rank=group_rank,
@@ -77,3 +80,10 @@ def make_manager(
             init_sync=False,  # every cell initialises identical weights from model.init_seed
             max_retries=20,
         )
+
+
+def manager_replica_id(store) -> str:
+    """The replica id this cell's Manager registered with the Lighthouse (``cell_<id>:<uuid>``). torchft 0.2.0 has
+    no accessor: rank 0's Manager publishes it in the cell's store under ``torchft.manager.REPLICA_ID_KEY``, the
+    key every other rank reads it from (tests/ft pins it)."""
+    return store.get(tft_manager.REPLICA_ID_KEY).decode()

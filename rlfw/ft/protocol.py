@@ -1,14 +1,15 @@
 """The step protocol between a trainer rank and the ranks it must agree with, and what the protocol needs of its rank.
 
-TrainerWorker drives each optimizer step as: begin_step -> its share of the minibatch for (rank, count) ->
-require_state(part.meta) -> forward/backward -> reduce_and_commit(part) -> optimizer step if committed, else back
-to begin_step. ClassicSync (one Megatron world) and CellSync (cells joined through torchft) implement it; the
-worker depends on nothing else of either.
+``train_call`` drives each optimizer step as: begin_step -> the first minibatch not yet committed -> its share for
+(rank, count) -> require_state(part.meta) -> forward/backward -> reduce_and_commit(part) -> optimizer step if
+committed, else back to begin_step. ClassicSync (one Megatron world) and CellSync (cells joined through torchft)
+implement GradSync; TrainerWorker and the protocol tests' model-free cells both run ``train_call``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Protocol, Tuple
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -18,8 +19,13 @@ if TYPE_CHECKING:
 
 
 class GradSync(Protocol):
-    def expect(self, num_replicas: int) -> None:
-        """The driver sent this train call to ``num_replicas`` replicas; begin_step may wait, bounded, for them."""
+    @property
+    def replica_id(self) -> Optional[str]:
+        """The Lighthouse's name for this replica's group, whose heartbeat the driver watches (None: no Lighthouse)."""
+
+    def expect(self, call: Dict[str, Any]) -> None:
+        """The driver's train call under way (``id``, ``replicas`` it was sent to, ``deadline_s``): begin_step waits
+        for the replicas the driver counts in it."""
 
     def begin_step(self) -> Tuple[int, int]:
         """Join the step; returns (this replica's rank, participant count), and this rank then holds the state of
@@ -50,6 +56,65 @@ class SyncHost(Protocol):
     host: str  # interface every listener binds
     store: TCPStore  # the cell's own store; torchft's Manager keeps its keys there
     trainer: Any  # device, grad_buffers(), zero_grad(), model.module (state_dict), optimizer
-    faults: FaultInjector  # maybe_die(phase, step) at the protocol's phases
-    cursor: Dict[str, int]  # rl_step, minibatch_index, optimizer_steps: sent with the state in a heal
+    faults: FaultInjector  # maybe_fault(phase, step) at the protocol's phases
+    cursor: Dict[str, int]  # the last committed rl_step and minibatch_index, optimizer_steps: sent in a heal
     incarnation: int  # 0 for the run's first cells, > 0 for replacements
+
+
+def position(meta: Dict[str, Any]) -> Tuple[int, int]:
+    """Where a minibatch is in the run: (RL step, minibatch index), ordered as they are trained."""
+    return meta["step"], meta["minibatch_index"]
+
+
+def train_call(
+    sync: GradSync,
+    host: SyncHost,
+    minibatches: Sequence[Any],
+    meta_of: Callable[[Any], Dict[str, Any]],
+    take_part: Callable[[Any, int, int], Tuple[Any, Any]],
+    train_part: Callable[[Any], Dict[str, Any]],
+    optimizer_step: Callable[[], Any],
+) -> List[Dict[str, Any]]:
+    """Commit every minibatch of a train call that is not committed yet; one record per committed step.
+
+    The cursor moves when a step commits, never when an attempt starts, so it always names the last minibatch the
+    replica group agreed on. A heal in begin_step replaces it with the sender's: a replacement that joins while
+    its peers are at minibatch j (it was sent the whole list) goes on from j with them, instead of training
+    minibatch 0 again; an emergency save holds exactly the minibatches that are done.
+    ``take_part(minibatch, rank, count)`` -> (this rank's share, every participant's sample ids);
+    ``train_part(share)`` runs forward/backward and returns its loss sums.
+    """
+    committed = lambda: (host.cursor["rl_step"], host.cursor["minibatch_index"])  # noqa: E731
+    records, attempts = [], 0
+    while any(position(meta_of(mb)) > committed() for mb in minibatches):
+        attempts += 1
+        t0 = time.perf_counter()
+        replica, num_replicas = sync.begin_step()
+        t_quorum = time.perf_counter()
+        todo = [mb for mb in minibatches if position(meta_of(mb)) > committed()]
+        if not todo:  # the peers are past this whole call: only a cell the driver stopped counting gets here
+            raise RuntimeError(f"healed to {committed()}, past every minibatch of this call")
+        part, participant_ids = take_part(todo[0], replica, num_replicas)
+        step = part.meta["step"]
+        sync.require_state(part.meta)
+        host.faults.maybe_fault("before_forward", step)
+        sums = train_part(part)
+        t_fb = time.perf_counter()
+        ok, info = sync.reduce_and_commit(part)
+        t_sync = time.perf_counter()
+        if not ok:
+            continue
+        host.faults.maybe_fault("after_vote", step)
+        grad_norm = optimizer_step()
+        host.cursor.update(rl_step=step, minibatch_index=part.meta["minibatch_index"])
+        host.cursor["optimizer_steps"] += 1
+        records.append({
+            "minibatch_index": part.meta["minibatch_index"], "sample_ids": list(part.sample_ids),
+            "participant_ids": participant_ids, "num_samples": len(part),
+            "num_tokens": part.num_response_tokens(), "grad_norm": grad_norm, "sums": sums,
+            "replica": replica, "num_replicas": num_replicas, "attempts": attempts,
+            "time/quorum": t_quorum - t0, "time/forward_backward": t_fb - t_quorum,
+            "time/reduce_and_vote": t_sync - t_fb, "time/step": time.perf_counter() - t0, **info,
+        })
+        attempts = 0
+    return records

@@ -1,9 +1,11 @@
 """CellGroup: every data-parallel replica an independent Megatron world (a *cell*), gradients through torchft.
 
 The driver-side half of the cell protocol. It keeps each cell's state machine, fans calls out to the alive cells,
-and never waits on a dead one: a cell whose actor dies, or that is still busy when its peers have finished a step
-(heartbeat timeout), is failed as a unit and reaped; a replacement is started when resources allow and heals from
-a live peer in its first quorum. The worker-side half (quorum, split, all-reduce, vote) is ``rlfw.ft.cell_sync``.
+and never waits on a dead one: a cell is failed as a unit, fenced and reaped when its actor dies, its call raises,
+its heartbeat stops for ``ft.stall_timeout_s`` (stalled, partitioned, its host gone) or its call runs past the
+phase's deadline (a multiple of that phase's measured time: slow is not dead). A replacement is started when
+resources allow and heals from a live peer in its first quorum. The worker-side half (quorum, split, all-reduce,
+vote) is ``rlfw.ft.cell_sync``; the decisions both halves share are ``rlfw.ft.membership``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import enum
 import functools
 import hashlib
 import logging
+import os
+import shutil
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ray
@@ -20,11 +25,13 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from rlfw.ft.cell_sync import CellSync
 from rlfw.ft.errors import BelowMinCellsError, FatalError, JobError
-from rlfw.ft.lighthouse import Lighthouse
+from rlfw.ft.lighthouse import Lighthouse, heartbeat_ages
+from rlfw.ft.membership import Membership
 from rlfw.train_group.replacements import ReplacementPolicy
 from rlfw.train_group.world import World, get_all
 
 log = logging.getLogger("rlfw.cells")
+HEARTBEAT_POLL_S = 0.5  # how often a call's pending cells' heartbeats are read from the Lighthouse
 
 
 class CellState(enum.Enum):
@@ -38,14 +45,16 @@ class CellState(enum.Enum):
 class Cell:
     """One Megatron world of TP x PP ranks with its own store, actors and torchft replica id."""
 
-    def __init__(self, cell_id: int, cfg, vocab_size: int, lighthouse_address: str, incarnation: int,
-                 role: str = "actor"):
+    def __init__(self, cell_id: int, cfg, vocab_size: int, lighthouse_address: str, membership_address,
+                 incarnation: int, role: str = "actor"):
         self.id, self.incarnation = cell_id, incarnation
         self.world = World(
             cfg, cfg.dp.tp * cfg.dp.pp, vocab_size, cell=cell_id,
-            sync_factory=functools.partial(CellSync, lighthouse_address=lighthouse_address),
+            sync_factory=functools.partial(CellSync, lighthouse_address=lighthouse_address,
+                                           membership_address=membership_address),
             incarnation=incarnation, role=role,
         )
+        self.replica_id: Optional[str] = None  # its Manager's name at the Lighthouse, once set up
         self.placement = self.world.place()  # nothing waits: the request stays pending until Ray has room
         self.state = CellState.PLACING
         self.setup_refs: List[ray.ObjectRef] = []
@@ -63,7 +72,7 @@ class Cell:
         if self.state is CellState.ALLOCATED:
             ready, _ = ray.wait(self.setup_refs, num_returns=len(self.setup_refs), timeout=0)
             if len(ready) == len(self.setup_refs):
-                ray.get(self.setup_refs)  # raises if a rank failed
+                self.replica_id = ray.get(self.setup_refs)[0]  # raises if a rank failed
                 self.state = CellState.ALIVE
         return self.state
 
@@ -100,6 +109,10 @@ class CellGroup:
         self.events: List[Dict[str, Any]] = []  # failures, joins, heals, quorum changes; drained by the loop
         ft = cfg.ft
         self.lighthouse, self.lighthouse_address = start_lighthouse(cfg, role)
+        self.membership = Membership(cfg.cluster.host)
+        self.call: Optional[int] = None  # the membership id of the train call under way
+        self.call_members: set = set()  # the cells counted in it
+        self.slowest: Dict[str, float] = {}  # phase -> the slowest successful call so far (its deadline's base)
         self.cells: Dict[int, Cell] = {}
         self.quorum_id: Optional[int] = None
         self.failures = 0
@@ -123,7 +136,8 @@ class CellGroup:
 
     # ------------------------------------------------------------------------------------------ membership
     def _new_cell(self, cell_id: int, incarnation: int) -> Cell:
-        return Cell(cell_id, self.cfg, self.vocab_size, self.lighthouse_address, incarnation, self.role)
+        return Cell(cell_id, self.cfg, self.vocab_size, self.lighthouse_address, self.membership.address,
+                    incarnation, self.role)
 
     def _poll(self, cell: Cell) -> bool:
         """Advance ``cell`` (placed, set up), with an event for each step a replacement takes; whether it is alive."""
@@ -145,9 +159,15 @@ class CellGroup:
             return
         self.failures += 1
         log.warning("cell %d failed in %s: %s", cell.id, phase, reason.splitlines()[0] if reason else "")
+        # Fenced before it is killed: if the kill does not reach it (a partition), it still takes part in nothing.
+        self.membership.fence(cell.id, cell.incarnation)
+        if cell.id in self.call_members:
+            self.call_members.discard(cell.id)
+            self.membership.leave(self.call)  # its peers in the call stop waiting for it
         cell.fail(reason)
         self._event("cell_failed", cell=cell.id, incarnation=cell.incarnation, phase=phase, reason=reason[:300],
                     detected_at=time.time(), call_elapsed_s=call_elapsed_s)
+        self._event("cell_fenced", cell=cell.id, incarnation=cell.incarnation)
         not_before = self.policy.on_failure(cell.id)
         if not_before is not None:
             self.scheduled[cell.id] = (not_before, cell.incarnation + 1)
@@ -174,6 +194,8 @@ class CellGroup:
         self.events.append({"kind": kind, **fields})
 
     def drain_events(self) -> List[Dict[str, Any]]:
+        for cell_id, incarnation, where in self.membership.new_rejections():
+            self._event("rejected", cell=cell_id, incarnation=incarnation, where=where)
         events, self.events = self.events, []
         return events
 
@@ -210,18 +232,40 @@ class CellGroup:
         return [c.id for c in self._require_cells()]
 
     # ---------------------------------------------------------------------------------------------- calls
-    def _fan_out(self, calls: Dict[int, Callable[[Cell], List[ray.ObjectRef]]], phase: str) -> Dict[int, Any]:
+    def _deadline(self, phase: str) -> float:
+        """How long a call of ``phase`` may run: a multiple of the slowest earlier one (never below
+        ft.min_phase_timeout_s), or ft.first_call_timeout_s for the first (warm-up, compilation)."""
+        ft = self.cfg.ft
+        if phase not in self.slowest:
+            return ft.first_call_timeout_s
+        return max(ft.min_phase_timeout_s, ft.phase_timeout_factor * self.slowest[phase])
+
+    def _stalled(self, cell_ids) -> Dict[int, float]:
+        """{cell id: seconds since its heartbeat} for the cells the Lighthouse has not heard for ft.stall_timeout_s.
+        If the Lighthouse cannot be read, nobody is declared stalled (the phase deadline still applies)."""
+        try:
+            ages = heartbeat_ages(self.lighthouse_address)
+        except OSError as e:
+            log.warning("cannot read heartbeats from the Lighthouse at %s: %s", self.lighthouse_address, e)
+            return {}
+        return {cid: ages[rid] for cid in cell_ids
+                if (rid := self.cells[cid].replica_id) in ages and ages[rid] > self.cfg.ft.stall_timeout_s}
+
+    def _fan_out(self, calls: Dict[int, Callable[[Cell], List[ray.ObjectRef]]], phase: str,
+                 deadline_s: Optional[float] = None) -> Dict[int, Any]:
         """Run one call per cell; returns {cell id: leader's result} for the cells that finished.
 
-        A cell whose call raises is failed at once. Once one cell has finished, a cell still busy gets
-        ``ft.straggler_grace_s`` more; after that it is treated as hung and failed.
+        A cell is failed when its call raises, its actor dies, its heartbeat stops for ft.stall_timeout_s, or the
+        call runs past ``deadline_s`` (default: the phase's measured deadline). A cell merely slower than its peers
+        is waited for. An error of the job (``OSError``: the disk) stops the run: on a survivor it would recur.
         """
+        deadline_s = self._deadline(phase) if deadline_s is None else deadline_s
         pending = {}
         for cell_id, make_refs in calls.items():
             pending[cell_id] = make_refs(self.cells[cell_id])
         started = time.monotonic()  # failures report how far into the call they were noticed
         results: Dict[int, Any] = {}
-        grace_deadline = None
+        next_heartbeat_check = started + HEARTBEAT_POLL_S
         while pending:
             ray.wait([r for rs in pending.values() for r in rs], num_returns=1, timeout=0.05)  # until progress
             for cell_id, rs in list(pending.items()):
@@ -233,6 +277,9 @@ class CellGroup:
                     except RayTaskError as e:
                         if isinstance(e.cause, FatalError):
                             raise e.cause from e
+                        if isinstance(e.cause, OSError):
+                            raise JobError(f"{phase} failed on cell {cell_id}: {type(e.cause).__name__}: "
+                                           f"{e.cause}") from e
                         failed = str(e)
                         break
                     except RayActorError as e:
@@ -243,16 +290,24 @@ class CellGroup:
                     self._fail(self.cells[cell_id], failed, phase, call_elapsed_s=time.monotonic() - started)
                 elif len(done) == len(rs):
                     results[cell_id] = ray.get(rs[0])
+                    self.slowest[phase] = max(self.slowest.get(phase, 0.0), time.monotonic() - started)
                     del pending[cell_id]
             if phase == "train" and pending and not results:
                 self._rescue_below_min(calls, pending, started)
-            if pending and results and grace_deadline is None:
-                grace_deadline = time.monotonic() + self.cfg.ft.straggler_grace_s
-            if pending and grace_deadline is not None and time.monotonic() > grace_deadline:
+            now = time.monotonic()
+            if pending and now >= next_heartbeat_check:
+                next_heartbeat_check = now + HEARTBEAT_POLL_S
+                for cell_id, age in self._stalled(pending).items():
+                    del pending[cell_id]
+                    self._fail(self.cells[cell_id], f"no heartbeat for {age:.1f} s, past ft.stall_timeout_s="
+                               f"{self.cfg.ft.stall_timeout_s:g} (stalled, partitioned, or its host is gone)",
+                               phase, call_elapsed_s=now - started)
+            if pending and now - started > deadline_s:
                 for cell_id in list(pending):
                     del pending[cell_id]
-                    self._fail(self.cells[cell_id], "no answer after its peers finished (hung or partitioned)",
-                               phase, call_elapsed_s=time.monotonic() - started)
+                    self._fail(self.cells[cell_id], f"still busy {now - started:.0f} s into the call, past the "
+                               f"{phase} deadline of {deadline_s:.0f} s (its heartbeat goes on: slow or hung)",
+                               phase, call_elapsed_s=now - started)
         return results
 
     def _rescue_below_min(self, calls, pending: Dict[int, List[ray.ObjectRef]], started: float) -> None:
@@ -272,6 +327,8 @@ class CellGroup:
             )
         for cell in self.alive_cells():
             if cell.id in calls and cell.id not in pending:
+                self.call_members.add(cell.id)
+                self.membership.join(self.call)  # counted before it is sent: its peers wait for it
                 pending[cell.id] = calls[cell.id](cell)
 
     def _await_replacements(self) -> None:
@@ -307,8 +364,13 @@ class CellGroup:
     def train(self, minibatches) -> Dict[int, List[Dict[str, Any]]]:
         """Every alive cell runs the step protocol on the same minibatches; returns the survivors' stats."""
         cells = self._require_cells()
-        calls = {c.id: (lambda c: [w.train.remote(minibatches, len(cells)) for w in c.world.workers]) for c in cells}
-        results = self._fan_out(calls, "train")
+        self.call, self.call_members = self.membership.open_call(len(cells)), {c.id for c in cells}
+        call = {"id": self.call, "replicas": len(cells), "deadline_s": self._deadline("train")}
+        calls = {c.id: (lambda c: [w.train.remote(minibatches, call) for w in c.world.workers]) for c in cells}
+        try:
+            results = self._fan_out(calls, "train")
+        finally:
+            self.call_members = set()
         if not results:
             raise RuntimeError("every cell failed during the step; nothing was committed")
         for cell_id in results:
@@ -331,35 +393,44 @@ class CellGroup:
                     self.quorum_id = s["quorum_id"]
         return results
 
-    def _on_writer(self, phase: str, call: Callable[[Any], ray.ObjectRef]) -> List[Any]:
-        """Run ``call`` on every rank of the writer (the first alive cell holding the trained state); if the writer
-        dies or does not answer within ft.writer_timeout_s, fail it and run again on the next such cell. An error
-        of the job rather than of the cell (the disk: ``OSError``) stops the run at once: on the next cell it would
-        fail the same way, and failing over would kill every cell in turn. Returns the refs that succeeded."""
-        timeout_s = self.cfg.ft.writer_timeout_s
+    def _on_writer(self, phase: str, call: Callable[[Any, Cell], ray.ObjectRef]) -> Tuple[List[Any], Cell]:
+        """Run ``call(worker, writer)`` on every rank of the writer (the first alive cell holding the trained state);
+        if the writer fails (dies, stalls, or does not answer within ft.writer_timeout_s), run it again on the next
+        such cell. An error of the job (the disk: ``OSError``) stops the run at once (``_fan_out``). Returns the
+        refs and the writer that answered."""
         while True:
             writer = self._require_cells(current_only=True, minimum=1)[0]
-            refs = [call(w) for w in writer.world.workers]
-            try:
-                get_all(refs, timeout_s=timeout_s)
-                return refs
-            except RayTaskError as e:
-                if isinstance(e.cause, (OSError, FatalError)):
-                    raise JobError(f"{phase} failed on cell {writer.id}: {type(e.cause).__name__}: {e.cause}") from e
-                reason = str(e)
-            except RayActorError as e:
-                reason = str(e)
-            except TimeoutError:
-                reason = f"no answer within ft.writer_timeout_s={timeout_s:g} (hung or partitioned)"
-            self._fail(writer, reason, phase)
+            refs = [call(w, writer) for w in writer.world.workers]
+            done = self._fan_out({writer.id: lambda _: refs}, phase, deadline_s=self.cfg.ft.writer_timeout_s)
+            if writer.id in done:
+                return refs, writer
             self._event("writer_failover", cell=writer.id, phase=phase)
 
     def export_weights(self) -> ray.ObjectRef:
         """Full weights from the writer cell, for the rollout engines."""
-        return self._on_writer("weight_sync", lambda w: w.export_weights.remote())[0]
+        refs, _ = self._on_writer("weight_sync", lambda w, _: w.export_weights.remote())
+        return refs[0]
 
     def save(self, path: str, step: int) -> None:
-        self._on_writer("checkpoint_save", lambda w: w.save.remote(path, step))
+        """The writer writes into a directory of its own incarnation, moved to ``path`` once it answered: a writer
+        that was failed over but still runs (a stall outlived, a partition) never touches its successor's files."""
+        target = Path(path)
+
+        def own(cell: Cell) -> Path:
+            return target.parent / f".{target.name}.writer-{cell.id}-{cell.incarnation}"
+
+        _, writer = self._on_writer("checkpoint_save", lambda w, cell: w.save.remote(str(own(cell)), step))
+        shutil.rmtree(target, ignore_errors=True)  # a save of this step that an earlier job never finished
+        os.replace(own(writer), target)
+        for stray in target.parent.glob(f".{target.name}.writer-*"):  # failed-over writers' leftovers
+            shutil.rmtree(stray, ignore_errors=True)
+
+    def minibatches_committed(self, step: int) -> int:
+        """How many of RL step ``step``'s minibatches the cells holding the trained state committed (their
+        cursor): what a save in the middle of the step holds."""
+        writer = self._require_cells(current_only=True, minimum=1)[0]
+        cursor = get_all([writer.world.workers[0].committed.remote()], timeout_s=self.cfg.ft.writer_timeout_s)[0]
+        return cursor["minibatch_index"] + 1 if cursor["rl_step"] == step else 0
 
     def weights_digests(self) -> Dict[int, str]:
         """Per cell, one SHA-256 over every rank's digest in rank order: equal iff every TP shard is equal."""

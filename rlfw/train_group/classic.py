@@ -23,11 +23,15 @@ class ClassicSync:
         self.worker = worker
         self.ps = parallel_state
 
+    @property
+    def replica_id(self) -> None:
+        return None  # no Lighthouse: a failed rank fails the world
+
     def begin_step(self):
         return self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
 
-    def expect(self, num_replicas: int) -> None:
-        assert num_replicas == self.ps.get_data_parallel_world_size()
+    def expect(self, call) -> None:
+        assert call["replicas"] == self.ps.get_data_parallel_world_size()
 
     def require_state(self, meta) -> None:
         pass  # one world: every rank holds the state or the run is over
@@ -71,7 +75,7 @@ class ClassicGroup:
 
     def train(self, minibatches) -> Dict[int, List[Dict[str, Any]]]:
         """Per replica, the stats of each committed optimizer step."""
-        results = self.world.call_leaders("train", minibatches, self.num_replicas)
+        results = self.world.call_leaders("train", minibatches, {"id": 0, "replicas": self.num_replicas})
         return dict(enumerate(results))
 
     def export_weights(self) -> ray.ObjectRef:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
@@ -56,8 +55,8 @@ class TrainerWorker:
         self.rank, self.world_size, self.cell = rank, world_size, cell
         self.incarnation, self.role = incarnation, role
         self.faults = FaultInjector(self.cfg.fault, self.cfg.run_dir, cell if cell is not None else -1, rank,
-                                    incarnation, role)
-        # Where this rank is in the data and how many optimizer steps it committed (healed and saved with state).
+                                    incarnation, role, world_size)
+        # The last minibatch this rank's group committed and how many optimizer steps (healed and saved with state).
         self.cursor = {"rl_step": -1, "minibatch_index": -1, "optimizer_steps": 0}
         self.shape = model_shape(self.cfg, vocab_size)
         self.host = self.cfg.cluster.host
@@ -70,7 +69,9 @@ class TrainerWorker:
         self.store = serve_store(self.host)
         return self.store.port
 
-    def setup(self, store_port: int, sync_factory) -> None:
+    def setup(self, store_port: int, sync_factory) -> Optional[str]:
+        """Join the world, build the trainer and the sync; returns the sync's replica id (the Lighthouse's name
+        for the cell, whose heartbeat the driver watches; None in a classic world)."""
         from megatron.core import parallel_state
 
         from rlfw.megatron.cpu_compat import apply_cpu_compat
@@ -99,6 +100,7 @@ class TrainerWorker:
             path = self.cfg.resume if self.role == "actor" else f"{self.cfg.resume}/critic"
             self.cursor.update(load_state(path, self.trainer)["cursor"])
             self.sync.restore(self.cursor["optimizer_steps"])
+        return self.sync.replica_id
 
     def _setup_policy(self, device: torch.device) -> None:
         from rlfw.megatron.policy import PolicyTrainer
@@ -131,43 +133,19 @@ class TrainerWorker:
         part = batch.select(indices)
         return self.trainer.values(part) if self.role == "critic" else self.trainer.logprobs(part)
 
-    def train(self, minibatches, num_replicas: int) -> List[Dict[str, Any]]:
-        """One optimizer step per minibatch. ``minibatches`` is a list of whole minibatches (delayed split) or
-        a list of EagerParts (eager split); ``num_replicas`` replicas were sent this call."""
-        self.sync.expect(num_replicas)
-        return [self._train_minibatch(mb) for mb in minibatches]
+    def train(self, minibatches, call: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """One optimizer step per minibatch not committed yet (rlfw.ft.protocol.train_call). ``minibatches`` is a
+        list of whole minibatches (delayed split) or of EagerParts (eager split); ``call`` the driver's call."""
+        from rlfw.ft.protocol import train_call
 
-    def _train_minibatch(self, minibatch) -> Dict[str, Any]:
-        attempts = 0
-        while True:
-            attempts += 1
-            t0 = time.perf_counter()
-            replica, num_replicas = self.sync.begin_step()
-            t_quorum = time.perf_counter()
-            part, participant_ids = self._take_part(minibatch, replica, num_replicas)
-            step = part.meta["step"]
-            self.sync.require_state(part.meta)
-            self.cursor.update(rl_step=step, minibatch_index=part.meta["minibatch_index"])
-            self.faults.maybe_die("before_forward", step)
+        self.sync.expect(call)
+
+        def train_part(part):
             self.trainer.zero_grad()
-            sums = forward_backward(self.trainer, part, self.faults, step)
-            t_fb = time.perf_counter()
-            committed, info = self.sync.reduce_and_commit(part)
-            t_sync = time.perf_counter()
-            if committed:
-                self.faults.maybe_die("after_vote", step)
-            grad_norm = self.trainer.optimizer_step() if committed else None
-            if committed:
-                self.cursor["optimizer_steps"] += 1
-                return {
-                    "minibatch_index": part.meta["minibatch_index"], "sample_ids": list(part.sample_ids),
-                    "participant_ids": participant_ids,
-                    "num_samples": len(part),
-                    "num_tokens": part.num_response_tokens(), "grad_norm": grad_norm, "sums": sums,
-                    "replica": replica, "num_replicas": num_replicas, "attempts": attempts,
-                    "time/quorum": t_quorum - t0, "time/forward_backward": t_fb - t_quorum,
-                    "time/reduce_and_vote": t_sync - t_fb, "time/step": time.perf_counter() - t0, **info,
-                }
+            return forward_backward(self.trainer, part, self.faults, part.meta["step"])
+
+        return train_call(self.sync, self, minibatches, lambda mb: mb.meta, self._take_part, train_part,
+                          self.trainer.optimizer_step)
 
     def _take_part(self, minibatch, replica: int, num_replicas: int):
         """This replica's share, and the sample ids of every participant's share (the split is deterministic, so
@@ -185,7 +163,7 @@ class TrainerWorker:
         """Full weights in Hugging Face names, for the rollout engines (every TP rank of the replica calls it)."""
         from rlfw.megatron.hf_convert import megatron_to_hf
 
-        self.faults.maybe_die("weight_sync", self.cursor["rl_step"])
+        self.faults.maybe_fault("weight_sync", self.cursor["rl_step"])  # the step just committed
         full = self.trainer.full_weights()
         return megatron_to_hf({k: v.detach().cpu().clone() for k, v in full.items()}, self.shape)
 
@@ -194,7 +172,11 @@ class TrainerWorker:
         from rlfw.checkpoint.state import save_state
 
         save_state(path, self.trainer, {"step": step, "cursor": dict(self.cursor)})
-        self.faults.maybe_die("checkpoint_save", step - 1)  # written, not yet committed
+        self.faults.maybe_fault("checkpoint_save", step - 1)  # written, not yet committed
+
+    def committed(self) -> Dict[str, int]:
+        """The cursor: the last minibatch this rank's group committed, and its optimizer steps."""
+        return dict(self.cursor)
 
     def weights_digest(self) -> str:
         """SHA-256 over every weight's bytes: equal digests mean bitwise-equal replicas."""
@@ -221,11 +203,11 @@ def forward_backward(trainer, part, faults, step: int) -> Dict[str, float]:
         nonlocal reached
         if index == 1:
             reached = True
-            faults.maybe_die("mid_forward_backward", step)
+            faults.maybe_fault("mid_forward_backward", step)
 
     sums = trainer.forward_backward(part, on_microbatch=between_microbatches)
     if not reached:
-        faults.maybe_die("mid_forward_backward", step)
+        faults.maybe_fault("mid_forward_backward", step)
     return sums
 
 

@@ -26,6 +26,32 @@ def test_the_defaults_follow_the_rules_with_several_required_cells():
     validate(load("ft.min_cells=2"))
 
 
-def test_join_retry_and_straggler_grace_have_their_own_keys():
-    cfg = load("ft.join_retry_s=7", "ft.straggler_grace_s=9")
-    assert (cfg.ft.join_retry_s, cfg.ft.straggler_grace_s, cfg.ft.heartbeat_timeout_s) == (7, 9, 2)
+def test_stall_and_phase_deadlines_have_their_own_keys():
+    cfg = load("ft.stall_timeout_s=7", "ft.min_phase_timeout_s=90", "ft.phase_timeout_factor=3")
+    assert (cfg.ft.stall_timeout_s, cfg.ft.min_phase_timeout_s, cfg.ft.phase_timeout_factor,
+            cfg.ft.heartbeat_timeout_s) == (7, 90, 3, 2)
+
+
+@pytest.mark.parametrize("phase_min", [10.0, 15.0])
+def test_a_phase_deadline_never_fires_before_a_stalled_heartbeat_would(phase_min):
+    with pytest.raises(ConfigError, match=rf"ft\.min_phase_timeout_s={phase_min:g} .*ft\.stall_timeout_s=15"):
+        validate(load(f"ft.min_phase_timeout_s={phase_min}", "ft.stall_timeout_s=15"))
+    validate(load("ft.min_phase_timeout_s=15.5", "ft.stall_timeout_s=15"))
+
+
+def test_a_first_call_gets_at_least_the_phase_minimum_and_the_factor_is_at_least_one():
+    with pytest.raises(ConfigError, match=r"ft\.first_call_timeout_s=30 .*ft\.min_phase_timeout_s=60"):
+        validate(load("ft.first_call_timeout_s=30"))
+    with pytest.raises(ConfigError, match=r"ft\.phase_timeout_factor=0\.5"):
+        validate(load("ft.phase_timeout_factor=0.5"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("fault.signal=pause", r"fault\.signal='pause' is not one of \['kill', 'stop'\]"),
+    ("fault.signal=stop", r"fault\.signal='stop' needs fault\.duration_s > 0"),
+    ("+fault.extra_kills=[{cell:0,step:1,phase:after_vote,signal:stop}]",
+     r"fault\.extra_kills\[0\]\.signal='stop' needs fault\.extra_kills\[0\]\.duration_s > 0"),
+])
+def test_a_stop_needs_a_duration(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load("fault=kill_once", override))

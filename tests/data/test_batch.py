@@ -222,3 +222,16 @@ def test_survivors_disagreeing_on_participant_shares_raise():
     }
     with pytest.raises(RuntimeError, match="different participant shares for minibatch 0"):
         trained_sample_ids(results)
+
+
+def test_one_minibatch_committed_by_two_quorums_is_a_fork():
+    """Two replicas that each committed minibatch 0, in different quorums (a stalled cell that trained on alone):
+    their weights diverged, whatever the sample ids say."""
+    results = {
+        0: [dict(step(0, [0, 2, 4], [[0, 2, 4]]), quorum_id=3, ft_step=7, num_replicas=1)],
+        1: [dict(step(0, [1, 3, 5], [[1, 3, 5]]), quorum_id=4, ft_step=7, num_replicas=1)],
+    }
+    with pytest.raises(RuntimeError, match=r"minibatch 0 was committed twice: .*\(3, 7, 1\) vs \(4, 7, 1\)"):
+        trained_sample_ids(results)
+    results[1][0].update(quorum_id=3, participant_ids=[[0, 2, 4]], sample_ids=[0, 2, 4])
+    trained_sample_ids(results)  # the same commit reported twice is fine

@@ -30,15 +30,21 @@ FAULTS = ["dp=cells", *REFERENCE, "ft.await_replacement_s=60", "fault=kill_once"
 
 
 def kills(*schedule):
-    """Overrides for a kill_once schedule of (cell, step, phase, incarnation) tuples; the first is incarnation 0."""
+    """Overrides for a kill_once schedule of (cell, step, phase, incarnation[, stop seconds]) tuples; the first is
+    incarnation 0. A fifth element makes that fault a stall (fault.signal=stop) of that many seconds."""
     (cell, step, phase, incarnation), *extra = schedule
     assert incarnation == 0
-    extra_kills = ",".join(f"{{cell: {c}, step: {s}, phase: {p}, incarnation: {i}}}" for c, s, p, i in extra)
+
+    def entry(c, s, p, i, stop_s=None):
+        how = "" if stop_s is None else f", signal: stop, duration_s: {stop_s}"
+        return f"{{cell: {c}, step: {s}, phase: {p}, incarnation: {i}{how}}}"
+
+    extra_kills = ",".join(entry(*k) for k in extra)
     return [f"fault.cell={cell}", f"fault.step={step}", f"fault.phase={phase}", f"fault.extra_kills=[{extra_kills}]"]
 
 
 def check_run(run_dir, reference_dir, steps_alone):
-    """The invariants of every faulted run; ``steps_alone``: {step: the cell ids that trained that whole step}."""
+    """The invariants of every faulted run; ``steps_alone``: {step: the cells that trained that step between them}."""
     check_every_sample_once(run_dir)
     assert max_abs_diff(final_model(run_dir), final_model(reference_dir)) < 1e-4
     rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -61,19 +67,26 @@ def heal_steps(events):
 
 @pytest.fixture(scope="module")
 def delayed_run(tmp_path_factory):
-    """Two cells, split=delayed: a death before the forward, in the middle of the backward, in the writer's
-    weight export and in the writer's checkpoint save."""
+    """Two cells, split=delayed: a death before the forward and in the middle of the backward; the writer stalled
+    (SIGSTOP, 20 s) in its weight export, past ft.stall_timeout_s; a death in the writer's checkpoint save; and a
+    3 s stall after a vote, short of the stall timeout, which must cost nothing."""
     return run_rlfw(tmp_path_factory.mktemp("delayed"), *FAULTS, "dp.num_cells=2", "split=delayed", "logger=default",
+                    "ft.stall_timeout_s=6",
                     *kills((1, 1, "before_forward", 0), (1, 3, "mid_forward_backward", 1),
-                           (0, 5, "weight_sync", 0), (0, 7, "checkpoint_save", 1)))
+                           (0, 5, "weight_sync", 0, 20), (0, 7, "checkpoint_save", 1), (1, 9, "after_vote", 2, 3)))
 
 
 def test_kills_before_forward_mid_backward_and_in_the_writer(delayed_run, reference_run):
-    events = check_run(delayed_run, reference_run(*CLASSIC2), steps_alone={1: [0], 3: [0]})
+    events = check_run(delayed_run, reference_run(*CLASSIC2), steps_alone={1: [0], 3: [0], 9: [0, 1]})
     # (the save after step 7 is the checkpoint of 8 steps: its events are logged with step 8)
     assert [f[:3] for f in failed(events)] == [(1, 1, 0), (3, 1, 1), (5, 0, 0), (8, 0, 1)]
+    [stalled] = [e for e in events if e["kind"] == "cell_failed" and e["step"] == 5]
+    assert stalled["reason"].startswith("no heartbeat for") and stalled["call_elapsed_s"] < 20  # not its wake-up
+    assert [(e["step"], e["cell"]) for e in events if e["kind"] == "cell_fenced"] == [(1, 1), (3, 1), (5, 0), (8, 0)]
     assert [(e["step"], e["phase"]) for e in events if e["kind"] == "writer_failover"] == [
         (5, "weight_sync"), (8, "checkpoint_save")]
+    markers = sorted((delayed_run / "faults").glob("kill_*"))
+    assert [json.loads(m.read_text())["signal"] for m in markers] == ["kill", "kill", "stop", "kill", "stop"]
     assert heal_steps(events) == [2, 4, 6, 8]  # each replacement healed from its live peer at the next step
     # the save that the writer died in was redone by the next writer and committed
     assert read_meta(delayed_run / "checkpoints" / "step_8")["step"] == 8

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import CLASSIC2, FAST, checkpoint_model, max_abs_diff, read_jsonl, run_rlfw
+from harness import CLASSIC2_MINIBATCHES, FAST, checkpoint_model, max_abs_diff, read_jsonl, run_rlfw
 
 from rlfw.checkpoint.layout import read_meta, verify
 from rlfw.ft.errors import BelowMinCellsError
@@ -23,7 +23,9 @@ from rlfw.logging import read_wandb_offline_history
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
-EVERY_STEP = ["checkpoint.interval=1", "logger=default", "ft.verify_weights_every=1"]
+# Three optimizer steps per rollout (24 + 24 + 16 samples), as the reference: a job can stop inside an RL step.
+EVERY_STEP = ["checkpoint.interval=1", "logger=default", "ft.verify_weights_every=1", "algo.global_batch_size=24",
+              "split=balanced"]
 
 
 def kill_job_during_save(run_dir: Path, steps_done: int, *overrides) -> None:
@@ -46,22 +48,24 @@ def kill_job_during_save(run_dir: Path, steps_done: int, *overrides) -> None:
 
 
 def test_resume_across_a_killed_job_a_lost_cell_and_a_corrupt_checkpoint(reference_run, tmp_path, caplog):
-    """One run through three jobs: classic, killed during its second save -> two cells, one of which dies with
-    ft.min_cells=2 and no replacement (the survivor's state is saved) -> classic again, past a newer checkpoint
-    that is truncated on disk, from the cells' one."""
-    straight = reference_run(*CLASSIC2)
+    """One run through three jobs: classic, killed during its second save -> two cells with ft.min_cells=2 and no
+    replacement, one of which dies after its vote on step 2's first minibatch (the survivor's state is saved in the
+    middle of the step, with the step's batch) -> classic again, past a newer checkpoint that is truncated on disk,
+    from the cells' one: it trains step 2's last two minibatches only, on the saved batch."""
+    straight = reference_run(*CLASSIC2_MINIBATCHES)
     run_dir = tmp_path / "run"
     kill_job_during_save(run_dir, 2, "dp=classic", "num_steps=4", *EVERY_STEP)
     assert verify(run_dir / "checkpoints" / "step_1")["step"] == 1
     first_id = read_meta(run_dir / "checkpoints" / "step_1")["wandb_run_id"]
 
-    with pytest.raises(BelowMinCellsError, match="saved in"):
+    with pytest.raises(BelowMinCellsError, match=r"2 steps and \{'actor': 1\} minibatches of step 2 is saved in"):
         run_rlfw(run_dir, "dp=cells", "num_steps=4", *EVERY_STEP, "resume=auto", "ft.min_cells=2",
-                 "ft.replace_failed=false", "ft.quorum_timeout_s=10", "fault=kill_once", "fault.cell=1", "fault.step=2")
+                 "ft.replace_failed=false", "ft.quorum_timeout_s=10", "fault=kill_once", "fault.cell=1", "fault.step=2",
+                 "fault.phase=after_vote")
     saved = verify(run_dir / "checkpoints" / "step_2")
     assert saved["layout"] == {"dp_mode": "cells", "replicas": 2, "tp": 1} and saved["wandb_run_id"] == first_id
-    # step 1 redone on two cells after the lost save: bitwise the classic world's
-    assert max_abs_diff(checkpoint_model(run_dir, 2), checkpoint_model(straight, 2)) == 0.0
+    assert saved["partial_step"] == {"actor": 1}  # the first of step 2's three minibatches was committed
+    assert (run_dir / "checkpoints" / "step_2" / "partial_step.pkl").name in saved["files"]  # hashed like the rest
     failures = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "cell_failed"]
     assert [(e["step"], e["cell"]) for e in failures] == [(2, 1)]  # logged although the step never finished
 
@@ -73,8 +77,8 @@ def test_resume_across_a_killed_job_a_lost_cell_and_a_corrupt_checkpoint(referen
     (run_dir / "checkpoints" / "step_5.tmp").mkdir()  # a save that never finished
     run_rlfw(run_dir, "dp=classic", "num_steps=4", *EVERY_STEP, "resume=auto")
     assert "skipping checkpoint" in caplog.text and "step_4" in caplog.text
-    # resumed from the two cells' step_2 and redid steps 2 and 3 (a fresh step_4 replaced the corrupt one):
-    # bitwise the uninterrupted run
+    # resumed from the two cells' step_2, finished step 2 and redid step 3 (a fresh step_4 replaced the corrupt one):
+    # bitwise the uninterrupted run, so step 2's first minibatch trained exactly once
     assert max_abs_diff(checkpoint_model(run_dir, 4), checkpoint_model(straight, 4)) == 0.0
 
     assert [e["step"] for e in read_jsonl(run_dir / "ledger.jsonl")] == [0, 1, 2, 3]  # every step trained once

@@ -1,9 +1,12 @@
 """CellSync with real torchft and no Megatron: one single-rank cell per spawned process, a two-layer MLP as trainer.
 
 Each cell is its own process because rlfw.ft.manager's ManagerServer bind patch is process-global, and because a
-fault kills the process (a real SIGKILL from rlfw.ft.faults). The pytest process runs the Lighthouse and plays the
-driver: it sends each cell ``(op, *args)`` over a Pipe (no lock a killed writer could leave held) and reads the
-replies under a deadline. ``Cell.train`` is TrainerWorker._train_minibatch without Ray, Megatron or timings.
+fault kills or stops the process (a real SIGKILL or SIGSTOP from rlfw.ft.faults). The pytest process runs the
+Lighthouse and the Membership store and plays the driver: it sends each cell ``(op, *args)`` over a Pipe (no lock a
+killed writer could leave held), reads the replies under a deadline, and takes a cell out of the call (fence +
+leave) when its process dies or, with ``watch_heartbeats``, when the Lighthouse has not heard it for
+``stall_timeout_s`` -- the driver's rules, without Ray. ``Cell.train`` runs the worker's own loop
+(rlfw.ft.protocol.train_call) with a model-free trainer, recording every attempt through a wrapping sync.
 """
 
 from __future__ import annotations
@@ -26,12 +29,16 @@ from rlfw.config.schema import ClusterConfig, FaultConfig, FTConfig
 from rlfw.data.batch import DYNAMIC_GBS, RolloutBatch, split_batch
 from rlfw.ft.cell_sync import CellSync
 from rlfw.ft.faults import FaultInjector
-from rlfw.ft.lighthouse import Lighthouse
+from rlfw.ft.lighthouse import Lighthouse, heartbeat_ages
+from rlfw.ft.membership import Membership
+from rlfw.ft.protocol import train_call
 
 HOST = "127.0.0.1"
 # heartbeat 2 s: a cell starved of CPU on a loaded 2-core machine must not look dead; collectives 4 s: a peer that
 # died is usually seen at once (its sockets close), a live peer stuck behind it only at this timeout.
-FT = dict(min_cells=1, heartbeat_timeout_s=2.0, join_timeout_s=0.5, quorum_timeout_s=30.0, collective_timeout_s=4.0)
+# stall 4 s: past a loaded machine's scheduling hiccups, short enough that a stalled cell costs a test seconds.
+FT = dict(min_cells=1, heartbeat_timeout_s=2.0, join_timeout_s=0.5, quorum_timeout_s=30.0, collective_timeout_s=4.0,
+          stall_timeout_s=4.0, min_phase_timeout_s=30.0)
 SAMPLES_PER_STEP = 8
 READY_TIMEOUT_S = 120.0  # spawn + torch/torchft import of several processes at once on 2 loaded cores
 STEP_TIMEOUT_S = 60.0  # a step with a death: heartbeat expiry, a collective timeout, the join wait, the retry
@@ -39,6 +46,12 @@ STEP_TIMEOUT_S = 60.0  # a step with a death: heartbeat expiry, a collective tim
 
 def minibatch(step: int) -> RolloutBatch:
     """RL step ``step``'s one minibatch: 8 samples whose response lengths differ (so num_tokens means something)."""
+    [mb] = minibatches(step, 1)
+    return mb
+
+
+def minibatches(step: int, count: int) -> List[RolloutBatch]:
+    """RL step ``step``'s 8 samples as ``count`` minibatches (optimizer steps) of 8 / count samples each."""
     gen = torch.Generator().manual_seed(1000 + step)
     x, y = torch.randn(SAMPLES_PER_STEP, 4, generator=gen), torch.randn(SAMPLES_PER_STEP, generator=gen)
     samples = {
@@ -48,9 +61,10 @@ def minibatch(step: int) -> RolloutBatch:
         "x": x.tolist(),
         "y": y.tolist(),
     }
-    [mb] = RolloutBatch(samples).minibatches(0)  # sets the dynamic global batch size and minibatch_index 0
-    mb.meta["step"] = step
-    return mb
+    out = RolloutBatch(samples).minibatches(SAMPLES_PER_STEP // count)  # sets each one's gbs and minibatch_index
+    for mb in out:
+        mb.meta["step"] = step
+    return out
 
 
 class TinyTrainer:
@@ -128,15 +142,16 @@ def assert_bitwise_equal(a, b, path: str = "") -> None:
         assert a == b, f"{path}: {a!r} vs {b!r}"
 
 
-def reference(parts_per_step: List[int]) -> List[Dict[str, Any]]:
-    """One process, no torchft: step s sums the gradients of its minibatch's ``parts_per_step[s]`` strided parts,
-    each computed on its own as a cell would. Returns, per step, the summed gradient and the state after it."""
+def reference(parts_per_step: List[int], per_step: int = 1) -> List[Dict[str, Any]]:
+    """One process, no torchft: optimizer step k sums the gradients of its minibatch's ``parts_per_step[k]``
+    strided parts, each computed on its own as a cell would (``per_step`` minibatches per RL step). Returns, per
+    optimizer step, the summed gradient and the state after it."""
     trainer = TinyTrainer()
     out = []
-    for step, num_parts in enumerate(parts_per_step):
+    for k, num_parts in enumerate(parts_per_step):
         assert num_parts <= 2, "with more addends the summation order is Gloo's own"
         grads = []
-        for part in split_batch(minibatch(step), num_parts, "strided"):
+        for part in split_batch(minibatches(k // per_step, per_step)[k % per_step], num_parts, "strided"):
             trainer.zero_grad()
             trainer.forward_backward(part)
             grads.append(trainer.grad_buffers()[0].clone())
@@ -159,7 +174,8 @@ class Cell:
 
     def __init__(self, spec: Dict[str, Any]):
         # The run's schemas with their defaults, so keys CellSync starts to read later exist here too.
-        ft, cluster = OmegaConf.structured(FTConfig(**FT)), OmegaConf.structured(ClusterConfig(host=HOST, device="cpu"))
+        ft = OmegaConf.structured(FTConfig(**spec["ft"]))
+        cluster = OmegaConf.structured(ClusterConfig(host=HOST, device="cpu"))
         self.cfg = OmegaConf.create({"ft": ft, "cluster": cluster})
         self.cell, self.incarnation = spec["cell"], spec["incarnation"]
         self.rank, self.world_size, self.host = 0, 1, HOST
@@ -173,35 +189,58 @@ class Cell:
         random.seed(seed)
         self.store = serve_store(HOST)
         before = listening()
-        self.sync = CellSync(self, spec["lighthouse"])
-        self.probe = {"manager_server": sorted(listening() - before), "quorum_id": self.sync.quorum_id}
+        self.sync = CellSync(self, spec["lighthouse"], spec["membership"])
+        self.probe = {"manager_server": sorted(listening() - before), "quorum_id": self.sync.quorum_id,
+                      "replica_id": self.sync.replica_id}
 
-    def train(self, step: int, expect: int) -> Dict[str, Any]:
-        """Attempts until one commits, each recorded: its quorum, rank, the state right after begin_step, the
-        sample ids it trained, the vote; a committed one also the reduced gradient and the state after it."""
-        self.sync.expect(expect)
-        mb, attempts = minibatch(step), []
-        while True:
-            rank, num_participants = self.sync.begin_step()
-            attempt = {"quorum_id": self.sync.quorum_id, "rank": rank, "num_participants": num_participants,
-                       "after_begin": snapshot(self.trainer, self.cursor)}
-            attempts.append(attempt)
-            part = split_batch(mb, num_participants, "strided")[rank]
-            self.sync.require_state(part.meta)
-            self.cursor.update(rl_step=step, minibatch_index=part.meta["minibatch_index"])
-            self.faults.maybe_die("before_forward", step)
+    def train(self, step: int, per_step: int, call: Dict[str, Any]) -> Dict[str, Any]:
+        """The worker's loop over RL step ``step``'s ``per_step`` minibatches. Every attempt is recorded: its
+        quorum, rank, the state right after begin_step, the minibatch and sample ids it trained, the vote; a
+        committed one also the reduced gradient. Returns the attempts, the committed records and the final state."""
+        sync = RecordingSync(self.sync, self)
+        self.sync.expect(call)
+
+        def train_part(part):
             self.trainer.zero_grad()
             self.trainer.forward_backward(part)
-            committed, info = self.sync.reduce_and_commit(part)
-            grads = self.trainer.grad_buffers()[0]
-            attempt.update(committed=committed, info=info, sample_ids=list(part.sample_ids), grads=_numpy(grads))
-            if committed:
-                self.trainer.optimizer_step()
-                self.cursor["optimizer_steps"] += 1
-                return {"attempts": attempts, "after": snapshot(self.trainer, self.cursor)}
+            return {}
+
+        def take_part(mb, rank, count):
+            parts = split_batch(mb, count, "strided")
+            return parts[rank], [list(p.sample_ids) for p in parts]
+
+        records = train_call(sync, self, minibatches(step, per_step), lambda mb: mb.meta, take_part, train_part,
+                             self.trainer.optimizer_step)
+        return {"attempts": sync.attempts, "records": records, "after": snapshot(self.trainer, self.cursor),
+                "joins": self.sync.joins}
 
     def listening(self) -> List[tuple]:
         return sorted(listening())
+
+
+class RecordingSync:
+    """CellSync as train_call sees it, recording each attempt on the way (the harness's only addition)."""
+
+    def __init__(self, sync: CellSync, cell: Cell):
+        self.sync, self.cell, self.attempts = sync, cell, []
+
+    def begin_step(self):
+        t0 = time.perf_counter()
+        rank, num_participants = self.sync.begin_step()
+        self.attempts.append({"quorum_id": self.sync.quorum_id, "rank": rank, "num_participants": num_participants,
+                              "join_s": time.perf_counter() - t0,
+                              "after_begin": snapshot(self.cell.trainer, self.cell.cursor)})
+        return rank, num_participants
+
+    def require_state(self, meta):
+        self.sync.require_state(meta)
+
+    def reduce_and_commit(self, part):
+        committed, info = self.sync.reduce_and_commit(part)
+        self.attempts[-1].update(committed=committed, info=info, sample_ids=list(part.sample_ids),
+                                 minibatch_index=part.meta["minibatch_index"],
+                                 grads=_numpy(self.cell.trainer.grad_buffers()[0]))
+        return committed, info
 
 
 def cell_main(spec: Dict[str, Any], conn) -> None:
@@ -256,34 +295,53 @@ class CellProcess:
 
 
 class Cluster:
-    """A Lighthouse in this process and the cell processes joined through it; ``close`` kills what is left."""
+    """A Lighthouse and a Membership store in this process and the cell processes joined through them; ``close``
+    kills what is left. ``ft`` overrides the harness's FT settings (``min_cells`` also configures the Lighthouse)."""
 
-    def __init__(self, run_dir, fault: Optional[Dict[str, Any]] = None):
-        self.run_dir, self.fault = str(run_dir), fault or {}
-        self.lighthouse = Lighthouse(HOST, 0, FT["min_cells"], FT["join_timeout_s"], FT["heartbeat_timeout_s"])
+    def __init__(self, run_dir, fault: Optional[Dict[str, Any]] = None, watch_heartbeats: bool = False, **ft):
+        self.run_dir, self.fault, self.ft = str(run_dir), fault or {}, {**FT, **ft}
+        self.watch_heartbeats = watch_heartbeats
+        self.lighthouse = Lighthouse(HOST, 0, self.ft["min_cells"], self.ft["join_timeout_s"],
+                                     self.ft["heartbeat_timeout_s"])
+        self.membership = Membership(HOST)
         self.ctx = mp.get_context("spawn")
         self.processes: List[CellProcess] = []
+        self.taken_out: List[CellProcess] = []  # in the order the driver decided
 
-    def spawn(self, *cells: int, incarnation: int = 0) -> List[CellProcess]:
+    def spawn(self, *cells: int, incarnation: int = 0, timeout_s: float = READY_TIMEOUT_S) -> List[CellProcess]:
         """Start the cells together and return once each has its Manager (heartbeating to the Lighthouse)."""
         new = [CellProcess(self.ctx, {"cell": c, "incarnation": incarnation, "lighthouse": self.lighthouse.address,
-                                      "run_dir": self.run_dir, "fault": self.fault}) for c in cells]
+                                      "membership": self.membership.address, "run_dir": self.run_dir,
+                                      "fault": self.fault, "ft": self.ft}) for c in cells]
         self.processes += new
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         for proc in new:
             proc.probe = proc.receive(deadline)
             assert proc.probe is not None, f"{proc} died while starting (exit code {proc.exitcode})"
         return new
 
     def call(self, cells: List[CellProcess], op: str, *args, timeout_s: float = STEP_TIMEOUT_S) -> List[Any]:
-        """Send ``op`` to every cell at once (as the driver dispatches a step), then collect; None for the dead."""
+        """Send ``op`` to every cell at once, then collect; None for the dead."""
         for proc in cells:
             proc.conn.send((op, *args))
         deadline = time.monotonic() + timeout_s
         return [proc.receive(deadline) for proc in cells]
 
-    def train(self, cells: List[CellProcess], step: int) -> List[Optional[Dict[str, Any]]]:
-        return self.call(cells, "train", step, len(cells))
+    def train(self, cells: List[CellProcess], step: int, per_step: int = 1, timeout_s: float = STEP_TIMEOUT_S
+              ) -> List[Optional[Dict[str, Any]]]:
+        return self.dispatch(cells, step, per_step).collect(timeout_s)
+
+    def dispatch(self, cells: List[CellProcess], step: int, per_step: int = 1) -> "TrainCall":
+        call = TrainCall(self, step, per_step, self.membership.open_call(len(cells)))
+        for proc in cells:
+            call.send(proc)
+        return call
+
+    def take_out(self, proc: CellProcess, call: int) -> None:
+        """The driver's decision: fence the incarnation and stop its peers waiting for it."""
+        self.membership.fence(proc.cell, proc.incarnation)
+        self.membership.leave(call)
+        self.taken_out.append(proc)
 
     def close(self) -> None:
         for proc in self.processes:
@@ -295,3 +353,45 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class TrainCall:
+    """One train call under way: ``send`` sends it to one of the cells it was opened for, ``add`` to one more (a
+    rescue: counted in the membership first), ``collect`` waits for every cell under the driver's rules."""
+
+    def __init__(self, cluster: Cluster, step: int, per_step: int, call_id: int):
+        self.cluster, self.step, self.per_step, self.id = cluster, step, per_step, call_id
+        self.cells: List[CellProcess] = []
+
+    def add(self, proc: CellProcess) -> None:
+        self.cluster.membership.join(self.id)
+        self.send(proc)
+
+    def send(self, proc: CellProcess) -> None:
+        self.cells.append(proc)
+        proc.conn.send(("train", self.step, self.per_step, {"id": self.id, "replicas": len(self.cells)}))
+
+    def collect(self, timeout_s: float = STEP_TIMEOUT_S) -> List[Optional[Dict[str, Any]]]:
+        """Each cell's reply; None for one that died or was taken out as stalled (its process then lives on)."""
+        deadline = time.monotonic() + timeout_s
+        replies: Dict[int, Optional[Dict[str, Any]]] = {}
+        while len(replies) < len(self.cells):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"call {self.id}: no reply from {[p for i, p in enumerate(self.cells) if i not in replies]}")
+            for i, proc in enumerate(self.cells):
+                if i in replies:
+                    continue
+                if proc.conn.poll(0.02):
+                    replies[i] = proc.receive(deadline)
+                    if replies[i] is None:
+                        self.cluster.take_out(proc, self.id)
+                elif not proc.process.is_alive():
+                    replies[i] = None
+                    self.cluster.take_out(proc, self.id)
+            if self.cluster.watch_heartbeats:
+                ages = heartbeat_ages(self.cluster.lighthouse.address)
+                for i, proc in enumerate(self.cells):
+                    if i not in replies and ages.get(proc.probe["replica_id"], 0.0) > self.cluster.ft["stall_timeout_s"]:
+                        replies[i] = None
+                        self.cluster.take_out(proc, self.id)
+        return [replies[i] for i in range(len(self.cells))]

@@ -39,3 +39,26 @@ def test_an_external_lighthouse_serves_the_policy_only():
     critic, address = start_lighthouse(cfg, "critic")
     critic.shutdown()
     assert address != "http://127.0.0.1:1"
+
+
+
+def test_heartbeat_ages_read_what_the_lighthouse_heard():
+    """rlfw reads heartbeats off the Lighthouse's /status page (torchft has no other accessor): pinned here
+    against a real Lighthouse, so a torchft upgrade that changes the page fails this test, not a run."""
+    import time
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+
+    from rlfw.ft.lighthouse import Lighthouse, heartbeat_ages
+
+    lighthouse = Lighthouse("127.0.0.1", 0, 1, 0.5, 2.0)
+    try:
+        assert heartbeat_ages(lighthouse.address) == {}
+        client = LighthouseClient(lighthouse.address, connect_timeout=timedelta(seconds=10))
+        client.heartbeat("cell_3:0f1e")
+        time.sleep(0.5)
+        [(replica, age)] = heartbeat_ages(lighthouse.address).items()
+        assert replica == "cell_3:0f1e" and 0.4 < age < 30
+    finally:
+        lighthouse.shutdown()
