@@ -1,4 +1,4 @@
-"""Start (or join) Ray with every listener on the configured interface, loopback by default."""
+"""Start (or join) Ray: a local instance on loopback (or the address ``cluster.host`` names), or a cluster."""
 
 from __future__ import annotations
 
@@ -9,21 +9,20 @@ from typing import Dict, Optional
 
 import ray
 
+from rlfw.cluster.address import resolve
 from rlfw.cluster.worker_setup import KNOWN_WARNINGS_ENV
 
 
-def worker_env(host: str, torch_threads: int, known_warnings_log: Optional[str] = None) -> Dict[str, str]:
-    """Environment of every rlfw worker process."""
+def worker_env(torch_threads: int, known_warnings_log: Optional[str] = None) -> Dict[str, str]:
+    """Environment of every rlfw worker process. (Addresses are not in it: each process resolves ``cluster.host``
+    on its own node, ``rlfw.cluster.address``.)"""
     env = {
         "OMP_NUM_THREADS": str(torch_threads),
         "MKL_NUM_THREADS": str(torch_threads),
         "TOKENIZERS_PARALLELISM": "false",
         "RLFW_TORCH_THREADS": str(torch_threads),
-        "RLFW_HOST": host,
         "RUST_LOG": os.environ.get("RUST_LOG", "warn"),  # torchft's Rust side logs every quorum at INFO
     }
-    if host == "127.0.0.1":
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo picks the interface of the hostname otherwise
     if known_warnings_log:
         env[KNOWN_WARNINGS_ENV] = known_warnings_log
     return env
@@ -49,7 +48,8 @@ _kept_running = False  # set by keep_ray_running: train() calls attach to this p
 
 
 def start_ray(cluster, known_warnings_log: Optional[str] = None) -> None:
-    """``ray.init`` on ``cluster.host`` (or join ``cluster.address``), with rlfw's worker environment.
+    """``ray.init`` of a local instance on ``cluster.host``'s address (or join ``cluster.address``), with rlfw's
+    worker environment.
 
     Without ``cluster.address`` this is always a fresh local instance (``address="local"``): Ray's own address
     discovery would otherwise join whatever cluster a ``ray start`` left on this machine. Inside a Ray worker (a job
@@ -62,7 +62,7 @@ def start_ray(cluster, known_warnings_log: Optional[str] = None) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RUST_LOG", "warn")  # the driver's torchft Lighthouse logs every quorum at INFO
     kwargs = dict(
-        runtime_env={"env_vars": worker_env(cluster.host, cluster.torch_threads, known_warnings_log),
+        runtime_env={"env_vars": worker_env(cluster.torch_threads, known_warnings_log),
                      "worker_process_setup_hook": "rlfw.cluster.worker_setup.setup_process"},
         include_dashboard=False,
         log_to_driver=True,
@@ -73,7 +73,8 @@ def start_ray(cluster, known_warnings_log: Optional[str] = None) -> None:
             check_reachable(cluster.address)
         ray.init(address=cluster.address, **kwargs)
     else:
-        ray.init(address="local", num_cpus=cluster.num_cpus, _node_ip_address=cluster.host, **kwargs)
+        host = resolve(cluster.host, joined=False)
+        ray.init(address="local", num_cpus=cluster.num_cpus, _node_ip_address=host, **kwargs)
 
 
 def stop_ray() -> None:

@@ -16,7 +16,12 @@ from omegaconf import MISSING
 @dataclass
 class ClusterConfig:
     address: Optional[str] = None  # join an existing Ray cluster ("auto" or host:port); None starts a local one
-    host: str = "127.0.0.1"  # interface every rlfw listener binds (Ray, stores, torchft); loopback unless set
+    # The address every rlfw listener binds, per node: auto (loopback locally, the node's Ray address on a cluster),
+    # an IP (one node), an interface name (eth0) or a subnet (10.0.0.0/24); never a wildcard (rlfw.cluster.address)
+    host: str = "auto"
+    # spread: a cell keeps off nodes that hold one where another node could hold it (a lost node costs one cell);
+    # pack: wherever Ray puts it. A cell's own ranks always share a node (rlfw.train_group.placement)
+    cell_placement: str = "spread"
     num_cpus: Optional[float] = None  # CPUs of the local Ray instance; None = all
     cpus_per_worker: float = 0.25  # Ray CPU share of each trainer rank; fractional so ranks fit on 2 cores
     torch_threads: int = 1  # intra-op threads per worker process (oversubscription is the CPU killer)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import ipaddress
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -11,6 +10,7 @@ from omegaconf import DictConfig
 
 from rlfw.algo.advantages import ESTIMATOR_OPTIONS, ESTIMATORS
 from rlfw.algo.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
+from rlfw.cluster.address import AddressError, check_rule
 from rlfw.config.schema import RLConfig
 
 
@@ -135,10 +135,11 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
     _positive("num_steps", cfg.num_steps)
     _positive("cluster.cpus_per_worker", cfg.cluster.cpus_per_worker)
     _choice("cluster.device", cfg.cluster.device, {"auto", "cpu", "cuda"})
+    _choice("cluster.cell_placement", cfg.cluster.cell_placement, {"spread", "pack"})
     try:
-        ipaddress.ip_address(cfg.cluster.host)
-    except ValueError:
-        raise ConfigError(f"cluster.host={cfg.cluster.host!r} is not an IP address (e.g. 127.0.0.1)") from None
+        check_rule(str(cfg.cluster.host))
+    except AddressError as e:
+        raise ConfigError(str(e)) from None
 
     _choice("fault.kind", cfg.fault.kind, {"none", "kill_once", "random"})
     if cfg.fault.kind != "none" and cfg.dp.mode != "cells":

@@ -18,15 +18,17 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from rlfw.cluster.address import node_address
 from rlfw.ft.cell_sync import CellSync
 from rlfw.ft.errors import BelowMinCellsError, FatalError, JobError
 from rlfw.ft.lighthouse import Lighthouse, heartbeat_ages
 from rlfw.ft.membership import Membership
+from rlfw.train_group.placement import node_ip, node_of
 from rlfw.train_group.replacements import ReplacementPolicy
 from rlfw.train_group.world import World, get_all
 
@@ -46,7 +48,7 @@ class Cell:
     """One Megatron world of TP x PP ranks with its own store, actors and torchft replica id."""
 
     def __init__(self, cell_id: int, cfg, vocab_size: int, lighthouse_address: str, membership_address,
-                 incarnation: int, role: str = "actor"):
+                 incarnation: int, role: str = "actor", avoid_nodes: Sequence[str] = ()):
         self.id, self.incarnation = cell_id, incarnation
         self.world = World(
             cfg, cfg.dp.tp * cfg.dp.pp, vocab_size, cell=cell_id,
@@ -55,8 +57,10 @@ class Cell:
             incarnation=incarnation, role=role,
         )
         self.replica_id: Optional[str] = None  # its Manager's name at the Lighthouse, once set up
-        self.placement = self.world.place()  # nothing waits: the request stays pending until Ray has room
+        self.placement = self.world.place(avoid_nodes)  # nothing waits: pending until Ray has room
         self.state = CellState.PLACING
+        self.node_id: Optional[str] = None  # the Ray node it was placed on, and that node's address
+        self.node: Optional[str] = None
         self.setup_refs: List[ray.ObjectRef] = []
         self.error: Optional[str] = None
         # Holds the job's trained state: true from the start for the first cells (identical initial weights),
@@ -67,6 +71,8 @@ class Cell:
         """PLACING -> ALLOCATED once Ray placed it (its actors are created then), ALLOCATED -> ALIVE once every rank
         finished set-up; a failed set-up raises. Never blocks."""
         if self.state is CellState.PLACING and ray.wait([self.placement], timeout=0)[0]:
+            self.node_id = node_of(self.world.pg)
+            self.node = node_ip(self.node_id)
             self.setup_refs = self.world.start_actors()
             self.state = CellState.ALLOCATED
         if self.state is CellState.ALLOCATED:
@@ -96,7 +102,7 @@ def start_lighthouse(cfg, role: str):
     if role == "actor" and ft.lighthouse_address:
         return None, ft.lighthouse_address
     port = ft.lighthouse_port if role == "actor" else 0
-    lighthouse = Lighthouse(cfg.cluster.host, port, ft.min_cells, ft.join_timeout_s, ft.heartbeat_timeout_s)
+    lighthouse = Lighthouse(node_address(cfg.cluster), port, ft.min_cells, ft.join_timeout_s, ft.heartbeat_timeout_s)
     return lighthouse, lighthouse.address
 
 
@@ -109,7 +115,7 @@ class CellGroup:
         self.events: List[Dict[str, Any]] = []  # failures, joins, heals, quorum changes; drained by the loop
         ft = cfg.ft
         self.lighthouse, self.lighthouse_address = start_lighthouse(cfg, role)
-        self.membership = Membership(cfg.cluster.host)
+        self.membership = Membership(node_address(cfg.cluster))
         self.call: Optional[int] = None  # the membership id of the train call under way
         self.call_members: set = set()  # the cells counted in it
         self.slowest: Dict[str, float] = {}  # phase -> the slowest successful call so far (its deadline's base)
@@ -118,26 +124,39 @@ class CellGroup:
         self.failures = 0
         self.policy = ReplacementPolicy(ft.replace_failed, ft.max_replacements, ft.replacement_backoff_s)
         self.scheduled: Dict[int, Tuple[float, int]] = {}  # cell id -> (start not before, incarnation)
+        deadline = time.monotonic() + ft.replacement_deadline_s
         for cell_id in range(cfg.dp.num_cells):
             self.cells[cell_id] = self._new_cell(cell_id, incarnation=0)
-        deadline = time.monotonic() + ft.replacement_deadline_s
+            if cfg.cluster.cell_placement == "spread":  # the next cell avoids this one's node: it must be known
+                self._start_up(self.cells[cell_id], deadline, CellState.PLACING)
         for cell in self.cells.values():
-            while not self._poll(cell):
-                if cell.state is CellState.ERRORED:
-                    raise RuntimeError(f"cell {cell.id} failed during start-up: {cell.error}")
-                if time.monotonic() > deadline:
-                    why = "its set-up did not finish"
-                    if cell.state is CellState.PLACING:
-                        why = (f"Ray could not place it (free: {ray.available_resources()}); lower "
-                               "cluster.cpus_per_worker or the number of replicas")
-                    raise TimeoutError(f"cell {cell.id} not ready within ft.replacement_deadline_s="
-                                       f"{ft.replacement_deadline_s}: {why}")
-                time.sleep(0.05)
+            self._start_up(cell, deadline, CellState.ALLOCATED)
+
+    def _start_up(self, cell: "Cell", deadline: float, past: CellState) -> None:
+        """Poll a first cell until it has left state ``past`` (PLACING: placed; ALLOCATED: alive)."""
+        while True:
+            self._poll(cell)
+            if cell.state is CellState.ERRORED:
+                raise RuntimeError(f"cell {cell.id} failed during start-up: {cell.error}")
+            if cell.state is CellState.ALIVE or (past is CellState.PLACING and cell.state is not past):
+                return
+            if time.monotonic() > deadline:
+                why = "its set-up did not finish"
+                if cell.state is CellState.PLACING:
+                    why = (f"Ray could not place it (free: {ray.available_resources()}); lower "
+                           "cluster.cpus_per_worker or the number of replicas")
+                raise TimeoutError(f"cell {cell.id} not ready within ft.replacement_deadline_s="
+                                   f"{self.cfg.ft.replacement_deadline_s}: {why}")
+            time.sleep(0.05)
 
     # ------------------------------------------------------------------------------------------ membership
     def _new_cell(self, cell_id: int, incarnation: int) -> Cell:
+        occupied = []
+        if self.cfg.cluster.cell_placement == "spread":
+            occupied = [c.node_id for c in self.cells.values()
+                        if c.node_id and c.state in (CellState.ALLOCATED, CellState.ALIVE)]
         return Cell(cell_id, self.cfg, self.vocab_size, self.lighthouse_address, self.membership.address,
-                    incarnation, self.role)
+                    incarnation, self.role, avoid_nodes=occupied)
 
     def _poll(self, cell: Cell) -> bool:
         """Advance ``cell`` (placed, set up), with an event for each step a replacement takes; whether it is alive."""
@@ -147,6 +166,8 @@ class CellGroup:
         except (RayActorError, RayTaskError) as e:
             self._fail(cell, f"set-up failed: {e}")
             return False
+        if before is CellState.PLACING and state is not CellState.PLACING:
+            self._event("cell_placed", cell=cell.id, incarnation=cell.incarnation, node=cell.node)
         if cell.incarnation > 0 and before is CellState.PLACING and state is not CellState.PLACING:
             self.policy.on_started()
             self._event("cell_replacement_started", cell=cell.id, incarnation=cell.incarnation)

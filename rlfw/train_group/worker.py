@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from rlfw.cluster.address import node_address, pin_gloo_interface
 from rlfw.cluster.store import connect_store, serve_store
 from rlfw.data.batch import RolloutBatch, split_batch
 from rlfw.megatron.model import ModelShape
@@ -59,7 +60,10 @@ class TrainerWorker:
         # The last minibatch this rank's group committed and how many optimizer steps (healed and saved with state).
         self.cursor = {"rl_step": -1, "minibatch_index": -1, "optimizer_steps": 0}
         self.shape = model_shape(self.cfg, vocab_size)
-        self.host = self.cfg.cluster.host
+        # This node's address under the cluster.host rule: the world's store and the torchft Manager bind it, and
+        # Gloo (Megatron's group, torchft's) uses its interface.
+        self.host = node_address(self.cfg.cluster)
+        pin_gloo_interface(self.host)
         self.store = None
         self.trainer = None
         self.sync = None

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlfw.train_group.placement import spread_selector
 from rlfw.train_group.worker import TrainerWorker, resolve_device
 
 STORE_TIMEOUT_S = 300.0  # a new rank 0's first call: its process starts and imports torch and Megatron first
@@ -40,15 +41,23 @@ class World:
         self.pg = None
         self.bundle: dict = {}
 
-    def place(self) -> ray.ObjectRef:
-        """Ask Ray for the world's resources, one bundle per rank on one node (``STRICT_PACK``: a cell never spans
-        nodes); returns the placement group's ready ref. Nothing waits here: the request stays pending until the
-        cluster has room."""
-        use_gpu = resolve_device(self.cfg).type == "cuda"
-        self.bundle = {"CPU": self.cfg.cluster.cpus_per_worker}
-        if use_gpu:
-            self.bundle["GPU"] = self.cfg.cluster.gpus_per_worker  # a share < 1 puts several cells on one GPU
-        self.pg = placement_group([self.bundle] * self.world_size, strategy="STRICT_PACK")
+    def rank_bundle(self) -> dict:
+        """The Ray resources of one rank."""
+        bundle = {"CPU": self.cfg.cluster.cpus_per_worker}
+        if resolve_device(self.cfg).type == "cuda":
+            bundle["GPU"] = self.cfg.cluster.gpus_per_worker  # a share < 1 puts several cells on one GPU
+        return bundle
+
+    def place(self, avoid_nodes: Sequence[str] = ()) -> ray.ObjectRef:
+        """Ask Ray for the world's resources, one bundle per rank: a cell's on one node (``STRICT_PACK``: a cell
+        never spans nodes), off ``avoid_nodes`` where an alive node outside them is large enough (``placement``); a
+        classic world's packed but free to span nodes, as any Megatron job. Returns the placement group's ready
+        ref. Nothing waits here: the request stays pending until the cluster has room."""
+        self.bundle = self.rank_bundle()
+        selector = spread_selector(avoid_nodes, self.bundle, self.world_size)
+        self.pg = placement_group([self.bundle] * self.world_size,
+                                  strategy="PACK" if self.cell is None else "STRICT_PACK",
+                                  bundle_label_selector=selector)
         return self.pg.ready()
 
     def start_actors(self) -> List[ray.ObjectRef]:

@@ -41,6 +41,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from rlfw.cluster.address import resolve
 from rlfw.config.schema import SGLangConfig
 from rlfw.megatron.hf_checkpoint import save_hf_checkpoint
 from rlfw.megatron.model import ModelShape
@@ -81,6 +82,7 @@ class SGLangEngine(Engine):
         host: str,
         workdir: str | Path,
         cpus_per_engine: float = 0.5,
+        joined: bool = False,
     ) -> None:
         if cfg.weight_sync != "disk":
             raise NotImplementedError(
@@ -92,7 +94,7 @@ class SGLangEngine(Engine):
         self.eos_token_id = eos_token_id
         self.seed = seed
         self.index = index
-        self.host = host
+        self.host = resolve(host, joined)  # the cluster.host rule, resolved on this engine's node
         self.workdir = Path(workdir).resolve()
         self.weights_dir = (Path(cfg.weights_dir) / f"engine_{index}" if cfg.weights_dir else self.workdir).resolve()
         self.cpus_per_engine = cpus_per_engine
@@ -123,6 +125,7 @@ class SGLangEngine(Engine):
             "seed": seed,
             "index": _engine_index(workdir),
             "host": cfg.cluster.host,
+            "joined": bool(cfg.cluster.address),
             "workdir": workdir,
             "cpus_per_engine": cfg.rollout.cpus_per_engine,
         }

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from rlfw.megatron.hf_checkpoint import save_hf_checkpoint
 from rlfw.megatron.model import ModelShape
+from rlfw.cluster.address import interface_of, resolve
 from rlfw.rollout.engines.base import Engine
 from rlfw.rollout.types import Generation, SamplingParams
 
@@ -53,7 +54,9 @@ def vllm_environment(host: str) -> dict[str, str]:
     }
     if host.startswith("127.") or host == "::1":
         env["VLLM_LOOPBACK_IP"] = host
-        env["GLOO_SOCKET_IFNAME"] = "lo"
+    iface = interface_of(host)
+    if iface:
+        env["GLOO_SOCKET_IFNAME"] = iface
     return env
 
 
@@ -61,10 +64,11 @@ class VLLMEngine(Engine):
     """Samples responses with vLLM from the policy last loaded with ``update_weights``."""
 
     def __init__(
-        self, shape: ModelShape, tokenizer, seed: int, workdir: str, host: str = "127.0.0.1",
+        self, shape: ModelShape, tokenizer, seed: int, workdir: str, host: str = "auto", joined: bool = False,
         kv_cache_gb: float = 0.5,
     ) -> None:
-        os.environ.update(vllm_environment(host))  # before vLLM is imported (in _start)
+        # ``host`` is the cluster.host rule, resolved on the node this engine runs on
+        os.environ.update(vllm_environment(resolve(host, joined)))  # before vLLM is imported (in _start)
         self.shape = shape
         self.tokenizer = tokenizer
         self.workdir = Path(workdir)
@@ -78,7 +82,7 @@ class VLLMEngine(Engine):
     @classmethod
     def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, workdir: Path) -> dict[str, Any]:
         return {"shape": shape, "tokenizer": tokenizer, "seed": seed, "workdir": str(workdir),
-                "host": cfg.cluster.host, "kv_cache_gb": cfg.rollout.kv_cache_gb}
+                "host": cfg.cluster.host, "joined": bool(cfg.cluster.address), "kv_cache_gb": cfg.rollout.kv_cache_gb}
 
     def update_weights(self, hf_state: dict[str, Tensor], version: int) -> None:
         if self._llm is None:
