@@ -22,6 +22,9 @@ class ClusterConfig:
     # spread: a cell keeps off nodes that hold one where another node could hold it (a lost node costs one cell);
     # pack: wherever Ray puts it. A cell's own ranks always share a node (rlfw.train_group.placement)
     cell_placement: str = "spread"
+    # Ray labels every trainer rank's node must carry, as `ray start --labels` writes them (role=train,zone=a) or
+    # with ':' (role:train, no quoting on Hydra's command line); "" = any node (rlfw.cluster.labels)
+    trainer_label_selector: str = ""
     num_cpus: Optional[float] = None  # CPUs of the local Ray instance; None = all
     cpus_per_worker: float = 0.25  # Ray CPU share of each trainer rank; fractional so ranks fit on 2 cores
     torch_threads: int = 1  # intra-op threads per worker process (oversubscription is the CPU killer)
@@ -83,6 +86,8 @@ class RolloutConfig:
     max_new_tokens: int = 0  # 0 = the task's own limit
     num_engines: int = 1
     cpus_per_engine: float = 0.5
+    # Ray labels the engines' nodes must carry (role:rollout, as cluster.trainer_label_selector); "" = any node
+    engine_label_selector: str = ""
     max_inflight_requests: int = 0  # samples one engine works on at a time (one call); 0 = the step's share at once
     max_engine_restarts: int = 3  # dead engines replaced over the run (requests retried); past it a dead one retires
     engine_call_timeout_s: float = 1800.0  # one engine call (a chunk of generation, a weight load); then it is hung

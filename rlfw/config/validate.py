@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from rlfw.algo.advantages import ESTIMATOR_OPTIONS, ESTIMATORS
 from rlfw.algo.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlfw.cluster.address import AddressError, check_rule
+from rlfw.cluster.labels import parse_labels
 from rlfw.config.schema import RLConfig
 
 
@@ -136,6 +137,12 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
     _positive("cluster.cpus_per_worker", cfg.cluster.cpus_per_worker)
     _choice("cluster.device", cfg.cluster.device, {"auto", "cpu", "cuda"})
     _choice("cluster.cell_placement", cfg.cluster.cell_placement, {"spread", "pack"})
+    for key, value in (("cluster.trainer_label_selector", cfg.cluster.trainer_label_selector),
+                       ("rollout.engine_label_selector", cfg.rollout.engine_label_selector)):
+        try:
+            parse_labels(value)
+        except ValueError as e:
+            raise ConfigError(f"{key}={value!r}: {e}") from None
     try:
         check_rule(str(cfg.cluster.host))
     except AddressError as e:

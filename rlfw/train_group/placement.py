@@ -29,17 +29,20 @@ def _fits(total: Dict[str, float], bundle: Dict[str, float], count: int) -> bool
     return all(total.get(key, 0.0) >= amount * count for key, amount in bundle.items())
 
 
-def spread_selector(occupied: Iterable[str], bundle: Dict[str, float], count: int) -> Optional[List[Dict[str, str]]]:
-    """Label selectors (one per bundle) that keep ``count`` bundles of ``bundle`` off the ``occupied`` nodes, or
-    None when there is nothing to avoid or no alive node outside them is large enough to hold the cell."""
+def spread_selector(occupied: Iterable[str], bundle: Dict[str, float], count: int,
+                    required: Optional[Dict[str, str]] = None) -> Optional[List[Dict[str, str]]]:
+    """Label selectors (one per bundle) for ``count`` bundles of ``bundle``: the ``required`` labels
+    (``cluster.trainer_label_selector``), and off the ``occupied`` nodes when an alive node outside them matches
+    and is large enough to hold them all. None: no constraint."""
+    required = dict(required or {})
     occupied = sorted(set(occupied))
-    if not occupied:
-        return None
     free = [n for node_id, n in alive_nodes().items()
-            if node_id not in occupied and _fits(n.get("Resources", {}), bundle, count)]
-    if not free:
-        return None
-    return [{NODE_ID_LABEL_KEY: f"!in({','.join(occupied)})"}] * count
+            if node_id not in occupied and _fits(n.get("Resources", {}), bundle, count)
+            and all(n.get("Labels", {}).get(k) == v for k, v in required.items() if not v.startswith(("!", "in(")))]
+    selector = dict(required)
+    if occupied and free:
+        selector[NODE_ID_LABEL_KEY] = f"!in({','.join(occupied)})"
+    return [selector] * count if selector else None
 
 
 def node_of(pg: PlacementGroup) -> Optional[str]:

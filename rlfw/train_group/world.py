@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlfw.cluster.labels import parse_labels
 from rlfw.train_group.placement import spread_selector
 from rlfw.train_group.worker import TrainerWorker, resolve_device
 
@@ -54,7 +55,8 @@ class World:
         classic world's packed but free to span nodes, as any Megatron job. Returns the placement group's ready
         ref. Nothing waits here: the request stays pending until the cluster has room."""
         self.bundle = self.rank_bundle()
-        selector = spread_selector(avoid_nodes, self.bundle, self.world_size)
+        selector = spread_selector(avoid_nodes, self.bundle, self.world_size,
+                                   parse_labels(self.cfg.cluster.trainer_label_selector))
         self.pg = placement_group([self.bundle] * self.world_size,
                                   strategy="PACK" if self.cell is None else "STRICT_PACK",
                                   bundle_label_selector=selector)

@@ -35,6 +35,7 @@ from typing import Any
 import ray
 from torch import Tensor
 
+from rlfw.cluster.labels import parse_labels
 from rlfw.megatron.model import ModelShape
 from rlfw.rollout.types import Generation, SamplingParams
 
@@ -101,7 +102,8 @@ def build_engine(cfg, shape: ModelShape, tokenizer, index: int, incarnation: int
     cls = engine_class(cfg.rollout.backend)
     workdir = Path(cfg.run_dir or ".") / "rollout" / f"engine_{index}"
     kwargs = cls.init_kwargs(cfg, shape, tokenizer, engine_seed(cfg, index, incarnation), workdir)
-    return ray.remote(cls).options(num_cpus=cfg.rollout.cpus_per_engine).remote(**kwargs)
+    selector = parse_labels(cfg.rollout.engine_label_selector) or None
+    return ray.remote(cls).options(num_cpus=cfg.rollout.cpus_per_engine, label_selector=selector).remote(**kwargs)
 
 
 def build_engines(cfg, shape: ModelShape, tokenizer) -> list:
