@@ -44,24 +44,24 @@ READY_TIMEOUT_S = 120.0  # spawn + torch/torchft import of several processes at 
 STEP_TIMEOUT_S = 60.0  # a step with a death: heartbeat expiry, a collective timeout, the join wait, the retry
 
 
-def minibatch(step: int) -> RolloutBatch:
+def minibatch(step: int, samples: int = SAMPLES_PER_STEP) -> RolloutBatch:
     """RL step ``step``'s one minibatch: 8 samples whose response lengths differ (so num_tokens means something)."""
-    [mb] = minibatches(step, 1)
+    [mb] = minibatches(step, 1, samples)
     return mb
 
 
-def minibatches(step: int, count: int) -> List[RolloutBatch]:
-    """RL step ``step``'s 8 samples as ``count`` minibatches (optimizer steps) of 8 / count samples each."""
+def minibatches(step: int, count: int, samples: int = SAMPLES_PER_STEP) -> List[RolloutBatch]:
+    """RL step ``step``'s ``samples`` samples as ``count`` minibatches (optimizer steps) of samples / count each."""
     gen = torch.Generator().manual_seed(1000 + step)
-    x, y = torch.randn(SAMPLES_PER_STEP, 4, generator=gen), torch.randn(SAMPLES_PER_STEP, generator=gen)
-    samples = {
-        "sample_id": [100 * step + i for i in range(SAMPLES_PER_STEP)],
-        "tokens": [[1] * (2 + i % 3) for i in range(SAMPLES_PER_STEP)],
-        "prompt_len": [1] * SAMPLES_PER_STEP,
+    x, y = torch.randn(samples, 4, generator=gen), torch.randn(samples, generator=gen)
+    columns = {
+        "sample_id": [1000 * step + i for i in range(samples)],
+        "tokens": [[1] * (2 + i % 3) for i in range(samples)],
+        "prompt_len": [1] * samples,
         "x": x.tolist(),
         "y": y.tolist(),
     }
-    out = RolloutBatch(samples).minibatches(SAMPLES_PER_STEP // count)  # sets each one's gbs and minibatch_index
+    out = RolloutBatch(columns).minibatches(samples // count)  # sets each one's gbs and minibatch_index
     for mb in out:
         mb.meta["step"] = step
     return out
@@ -178,6 +178,7 @@ class Cell:
         cluster = OmegaConf.structured(ClusterConfig(host=HOST, device="cpu"))
         self.cfg = OmegaConf.create({"ft": ft, "cluster": cluster})
         self.cell, self.incarnation = spec["cell"], spec["incarnation"]
+        self.samples_per_step = spec["samples_per_step"]
         self.rank, self.world_size, self.host = 0, 1, HOST
         fault = OmegaConf.structured(FaultConfig(**spec["fault"]))
         self.faults = FaultInjector(fault, spec["run_dir"], self.cell, self.rank, self.incarnation)
@@ -209,7 +210,7 @@ class Cell:
             parts = split_batch(mb, count, "strided")
             return parts[rank], [list(p.sample_ids) for p in parts]
 
-        records = train_call(sync, self, minibatches(step, per_step), lambda mb: mb.meta, take_part, train_part,
+        records = train_call(sync, self, minibatches(step, per_step, self.samples_per_step), lambda mb: mb.meta, take_part, train_part,
                              self.trainer.optimizer_step)
         return {"attempts": sync.attempts, "records": records, "after": snapshot(self.trainer, self.cursor),
                 "joins": self.sync.joins}
@@ -296,10 +297,13 @@ class CellProcess:
 
 class Cluster:
     """A Lighthouse and a Membership store in this process and the cell processes joined through them; ``close``
-    kills what is left. ``ft`` overrides the harness's FT settings (``min_cells`` also configures the Lighthouse)."""
+    kills what is left. ``ft`` overrides the harness's FT settings (``min_cells`` also configures the Lighthouse);
+    ``samples_per_step``: the size of each RL step's batch (at least the cell count, so no cell gets an empty share)."""
 
-    def __init__(self, run_dir, fault: Optional[Dict[str, Any]] = None, watch_heartbeats: bool = False, **ft):
+    def __init__(self, run_dir, fault: Optional[Dict[str, Any]] = None, watch_heartbeats: bool = False,
+                 samples_per_step: int = SAMPLES_PER_STEP, **ft):
         self.run_dir, self.fault, self.ft = str(run_dir), fault or {}, {**FT, **ft}
+        self.samples_per_step = samples_per_step
         self.watch_heartbeats = watch_heartbeats
         self.lighthouse = Lighthouse(HOST, 0, self.ft["min_cells"], self.ft["join_timeout_s"],
                                      self.ft["heartbeat_timeout_s"])
@@ -312,7 +316,8 @@ class Cluster:
         """Start the cells together and return once each has its Manager (heartbeating to the Lighthouse)."""
         new = [CellProcess(self.ctx, {"cell": c, "incarnation": incarnation, "lighthouse": self.lighthouse.address,
                                       "membership": self.membership.address, "run_dir": self.run_dir,
-                                      "fault": self.fault, "ft": self.ft}) for c in cells]
+                                      "fault": self.fault, "ft": self.ft,
+                                      "samples_per_step": self.samples_per_step}) for c in cells]
         self.processes += new
         deadline = time.monotonic() + timeout_s
         for proc in new:

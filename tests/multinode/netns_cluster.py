@@ -97,7 +97,7 @@ class NetnsCluster:
             _sh("ip", "netns", "add", self.bridge_ns)
             _sh("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
             _sh("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
-            for i in range(num_nodes):
+            for i in range(num_nodes):  # one at a time: concurrent `ray start`s time out on a small machine
                 self.start_node(cpus[i], (labels or [{}] * num_nodes)[i])
         except BaseException:
             self.close()
