@@ -47,7 +47,7 @@ class CellSync:
         cfg = worker.cfg
         self.manager = make_manager(
             cell=worker.cell, group_rank=worker.rank, group_world_size=worker.world_size, host=worker.host,
-            store_port=worker.store.port, lighthouse_address=lighthouse_address,
+            store_host=worker.store.host, store_port=worker.store.port, lighthouse_address=lighthouse_address,
             state_dict=self._state_dict, load_state_dict=self._load_state_dict, min_replicas=cfg.ft.min_cells,
             device=worker.trainer.device, collective_timeout_s=cfg.ft.collective_timeout_s,
             quorum_timeout_s=cfg.ft.quorum_timeout_s,

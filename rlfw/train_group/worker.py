@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import ray
 import torch
@@ -68,12 +68,13 @@ class TrainerWorker:
         self.trainer = None
         self.sync = None
 
-    def serve_store(self) -> int:
-        """Rank 0 owns the world's store; the others connect to the port it returns."""
+    def serve_store(self) -> Tuple[str, int]:
+        """Rank 0 owns the world's store; the others connect to the address it returns (its node's: a classic
+        world's ranks may sit on other nodes)."""
         self.store = serve_store(self.host)
-        return self.store.port
+        return self.host, self.store.port
 
-    def setup(self, store_port: int, sync_factory) -> Optional[str]:
+    def setup(self, store_address: Tuple[str, int], sync_factory) -> Optional[str]:
         """Join the world, build the trainer and the sync; returns the sync's replica id (the Lighthouse's name
         for the cell, whose heartbeat the driver watches; None in a classic world)."""
         from megatron.core import parallel_state
@@ -85,7 +86,7 @@ class TrainerWorker:
             apply_cpu_compat()
         else:
             torch.cuda.set_device(device)
-        store = self.store or connect_store(self.host, store_port)
+        store = self.store or connect_store(*store_address)
         self.store = store
         dist.init_process_group(
             "gloo" if device.type == "cpu" else "nccl", store=store, rank=self.rank, world_size=self.world_size,

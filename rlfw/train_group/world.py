@@ -73,8 +73,8 @@ class World:
             ).remote(cfg, rank, self.world_size, self.vocab_size, self.cell, self.incarnation, self.role)
             for rank in range(self.world_size)
         ]
-        port = get_all([self.workers[0].serve_store.remote()], timeout_s=STORE_TIMEOUT_S)[0]
-        return [w.setup.remote(port, self.sync_factory) for w in self.workers]
+        store = get_all([self.workers[0].serve_store.remote()], timeout_s=STORE_TIMEOUT_S)[0]
+        return [w.setup.remote(store, self.sync_factory) for w in self.workers]
 
     def launch(self, placement_timeout_s: float = 60.0) -> List[ray.ObjectRef]:
         """Place and create the actors, waiting at most ``placement_timeout_s`` for room; returns the set-up refs."""

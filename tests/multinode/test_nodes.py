@@ -13,8 +13,9 @@ outside as the ledger of committed steps grows:
 2. two steps later: cell 0's node is cut off the network (alive, unreachable). Ray declares it dead; cell 0 is
    failed and fenced; its replacement finds no room and waits (``placement_pending``) while the survivor
    commits the step alone on a fresh split;
-3. then the link comes back (the stale cell can commit nothing) and a new node joins: the pending replacement is
-   placed there, heals, and the group is back at two cells (regrowth).
+3. then the link comes back (the stale cell can commit nothing, and its processes end: Ray declared the node
+   dead) and a new node joins: the pending replacement is placed there, heals, and the group is back at two cells
+   (regrowth).
 
 Asserted: every sample trained exactly once, cells bitwise equal after every step, the final weights equal the
 failure-free classic run's (1e-4, the tolerance of the other fault tests: a re-split sums in another order), each
@@ -27,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
@@ -85,6 +87,18 @@ def rlfw_listeners(cluster: NetnsCluster, node: int, driver_pid: int) -> list:
     return found
 
 
+def stale_trainers(cluster: NetnsCluster, node: int) -> list:
+    """Trainer processes still running on ``node``."""
+    alive = []
+    for pid in cluster.pids(node):
+        try:
+            if psutil.Process(pid).name().startswith("ray::TrainerWor"):
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
 @pytest.fixture
 def cluster(netns_ok):
     with NetnsCluster(4, [2, CELL_CPUS, CELL_CPUS, CELL_CPUS], [ROLLOUT, TRAIN, TRAIN, TRAIN]) as c:
@@ -138,6 +152,11 @@ def test_node_loss_partition_and_regrowth_on_a_real_cluster(cluster, reference_r
     assert failures == [(1, 0), (0, 0)], failures
     assert placed(run_dir)[(0, 1)] == cluster.addresses[new]  # regrowth onto the node that joined
     assert sorted(e["cell"] for e in log if e["kind"] == "heal") == [0, 1]
+    # Ray declared the cut-off node dead: reconnected, its raylet learns so and its workers end with it
+    deadline = time.monotonic() + 30
+    while stale_trainers(cluster, cut) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not stale_trainers(cluster, cut)
     ledger = check_every_sample_once(run_dir)
     assert len(ledger[-1]["weight_digests"]) == 2  # back at dp.num_cells
     assert max_abs_diff(final_model(run_dir), final_model(reference)) < 1e-4
