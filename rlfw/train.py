@@ -42,6 +42,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     os.environ[KNOWN_WARNINGS_ENV] = str(known_warnings)
     setup_process()  # before this process imports Megatron
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     import torch
 
     from rlfw.checkpoint import Checkpointer
@@ -94,7 +95,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         group = build_group(cfg, vocab_size)
         if cfg.algo.name == "ppo":
             critic = build_group(cfg, vocab_size, role="critic")
-        manager = RolloutManager.remote(OmegaConf.to_container(cfg, resolve=True), shape)
+        # Orchestration stays with the driver (on its node, like the Lighthouse): a lost trainer node must not take
+        # the rollout manager with it; the engines go where rollout.engine_label_selector says.
+        manager = RolloutManager.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)).remote(OmegaConf.to_container(cfg, resolve=True),
+                                                                          shape)
         checkpointer = Checkpointer(cfg, group, run_dir, shape, run_info=lambda: {"wandb_run_id": loggers.run_id},
                                     critic=critic)
         if resume is not None:
