@@ -32,6 +32,7 @@ from netns_cluster import NetnsCluster  # noqa: E402
 from runner import OUT, ROOT, read_jsonl, table  # noqa: E402
 
 CELL_CPUS = 3
+RUN_TIMEOUT_S = 900.0  # one run of a few steps; past it the run is hung
 COMMON = ["rollout.num_prompts=8", "logger=jsonl", "algo.max_tokens_per_microbatch=128", "checkpoint.interval=0",
           f"cluster.cpus_per_worker={CELL_CPUS}", "cluster.trainer_label_selector=role:train",
           "rollout.engine_label_selector=role:rollout"]
@@ -49,7 +50,11 @@ def run(cluster: NetnsCluster, name: str, overrides, steps: int, kill_after: int
            f"cluster.address={cluster.head_address}", f"run_dir={run_dir}", f"hydra.run.dir={run_dir}"]
     proc = cluster.popen(0, *cmd, log=run_dir.parent / f"{name}.log", cwd=ROOT)
     killed_at, committed_after_kill, seen = None, None, 0
+    deadline = time.monotonic() + RUN_TIMEOUT_S
     while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"{name} ran past {RUN_TIMEOUT_S:.0f} s")
         ledger = lines(run_dir / "ledger.jsonl")
         if len(ledger) > seen:
             seen = len(ledger)
