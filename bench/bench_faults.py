@@ -1,91 +1,93 @@
-"""What a cell failure costs, measured: time lost per failure, detection and heal times, and goodput under a kill
-every K steps, side by side with what users have today (kill the whole job, restart, resume from a checkpoint).
+"""What a failure costs, measured on both sides: cells against the checkpoint-restart loop users run today.
 
-    .venv/bin/python bench/bench_faults.py [--steps 40 --every 10]
+    .venv/bin/python bench/bench_faults.py [--steps 40 --every 10 --cells 2 --checkpoint-interval 10]
+    .venv/bin/python bench/bench_faults.py --random 7 ...   # kills at steps drawn with seed 7, one per --every
 
-Runs (same data and seed): dp=cells with no faults; dp=cells with a SIGKILL mid forward/backward every K steps,
-alternating between the two cells' lineages (a replacement is killed again once it has healed); and a dp=classic
-run to measure a fresh job's start-up. Replacements are not waited for (ft.await_replacement_s=0): the survivor
-carries the whole batch until the replacement is ready, which is what a production run does.
+The same kills on every side (SIGKILL mid forward/backward at the same steps, the cell or replica alternating), all
+timed by one clock (``restart_loop.supervise``: the wall clock, and the moment each step line arrives):
 
-The checkpoint-restart column is computed from measured parts, not from a run of it (``resume=auto`` exists now;
-timing a real kill-and-resume loop is the next step): a restart's cost is start-up (measured here: process start to first step of a fresh job) plus redoing on average
-half a checkpoint interval of steps (measured step time) plus the checkpoint writes (measured save time).
+- ``failure_free``: dp=cells without a kill (what the others lose against);
+- ``cells``: dp=cells; a dead cell is dropped, the survivors redo the step on a fresh split, a replacement heals
+  from a live peer; replacements are not waited for (ft.await_replacement_s=0). When every holder of the state dies
+  the job restores its last checkpoint by itself (event ``state_restored``), counted as a restart;
+- ``checkpoint_restart``: dp=classic with checkpoint.interval=K; a kill ends the job, the supervisor starts it
+  again with resume=auto;
+- ``cells_no_replace``: dp=cells ft.replace_failed=false ft.min_cells=<cells>: a kill ends the job after an
+  emergency save inside the step, the supervisor restarts it.
+
+Prints the table and writes the rows to outputs/bench/faults.json (see ``restart_loop.account`` for each figure).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import random
+from typing import List
 
-from runner import OUT, run_training, table
-
-
-def kill_schedule(steps: int, every: int) -> str:
-    kills = []
-    for n, step in enumerate(range(every, steps - 2, every)):
-        cell, incarnation = (1, n // 2) if n % 2 == 0 else (0, n // 2)
-        kills.append(f"{{cell: {cell}, step: {step}, phase: mid_forward_backward, incarnation: {incarnation}}}")
-    return "[" + ", ".join(kills) + "]"
+from restart_loop import account, supervise
+from runner import OUT, table
 
 
-def detection_times(run) -> list:
-    """Seconds from each kill (the fault marker's timestamp) to the driver failing that cell."""
-    kills = [json.loads(p.read_text()) for p in sorted((run["run_dir"] / "faults").glob("kill_*"))]
-    failed = [e for e in run["events"] if e["kind"] == "cell_failed"]
-    times = []
-    for kill in kills:
-        match = [e for e in failed if e["cell"] == kill["cell"] and e["incarnation"] == kill["incarnation"]]
-        if match:
-            times.append(match[0]["detected_at"] - kill["time"])
-    return times
+def kill_steps(steps: int, every: int, seed: int = None) -> List[int]:
+    """Every ``every`` steps, or (``seed``) each step with probability 1/every; none in the last two steps (a kill
+    there could fall after the work it should interrupt)."""
+    if seed is None:
+        return list(range(every, steps - 2, every))
+    draw = random.Random(seed)
+    return [s for s in range(1, steps - 2) if draw.random() < 1 / every]
+
+
+def fault_overrides(steps: List[int]) -> List[str]:
+    """The schedule: the first kill is ``fault.*`` (replica 1), the rest ``fault.extra_kills`` alternating between
+    replicas 0 and 1, any incarnation (a restarted or restored job starts its cells afresh)."""
+    if not steps:
+        return []
+    extra = [f"{{cell: {n % 2}, step: {s}, phase: mid_forward_backward, incarnation: -1}}"
+             for n, s in enumerate(steps[1:], start=1)]
+    return ["fault=kill_once", "fault.cell=1", f"fault.step={steps[0]}", "fault.phase=mid_forward_backward",
+            f"fault.extra_kills=[{', '.join(extra)}]"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--random", type=int, default=None, help="draw the kill steps with this seed")
+    parser.add_argument("--cells", type=int, default=2, help="cells, and the classic world's replicas")
     parser.add_argument("--checkpoint-interval", type=int, default=10)
+    parser.add_argument("--sides", nargs="+", default=["failure_free", "cells", "checkpoint_restart",
+                                                          "cells_no_replace"])
+    parser.add_argument("--out", default=str(OUT / "faults.json"))
+    parser.add_argument("overrides", nargs="*", help="more overrides for every side")
     args = parser.parse_args()
-    common = [f"num_steps={args.steps}", "logger=jsonl", "dp=cells", "dp.num_cells=2", "checkpoint.save_final=false"]
-    base = run_training("faults_none", common)
-    schedule = kill_schedule(args.steps, args.every)
-    faulty = run_training("faults_kill", [*common, "fault=kill_once", "fault.step=1000000", "fault.cell=0",
-                                          f"fault.extra_kills={schedule}"])
-    fresh = run_training("faults_fresh_job", ["num_steps=3", "logger=jsonl", "checkpoint.interval=1"])
-
-    failures = [e for e in faulty["events"] if e["kind"] == "cell_failed"]
-    heals = [e for e in faulty["events"] if e["kind"] == "heal"]
-    base_train = sum(r["time/step"] for r in base["rows"])
-    faulty_train = sum(r["time/step"] for r in faulty["rows"])
-    lost_per_failure = (faulty_train - base_train) / max(len(failures), 1)
-    samples = sum(r["train/num_samples"] for r in faulty["rows"])
-    expected = sum(r["rollout/num_samples"] for r in faulty["rows"])
-    step_s = statistics.median(r["time/step"] for r in base["rows"][3:])
-    startup_s = fresh["first_step_s"]
-    save_s = statistics.median(r["time/step"] for r in fresh["rows"][1:]) - statistics.median(
-        r["time/step"] for r in run_training("faults_fresh_nosave", ["num_steps=3", "logger=jsonl",
-                                                                       "checkpoint.save_final=false"])["rows"][1:])
-    restarts_cost = len(failures) * (startup_s + step_s * args.checkpoint_interval / 2)
-    saves_cost = max(save_s, 0.0) * args.steps / args.checkpoint_interval
-    goodput_cells = samples / faulty_train
-    goodput_restart = samples / (base_train + restarts_cost + saves_cost)
-    row = {
-        "kill every": args.every,
-        "failures": len(failures),
-        "samples lost": expected - samples,
-        "lost s/failure": lost_per_failure,
-        "detect s (median)": statistics.median(detection_times(faulty)) if failures else float("nan"),
-        "heal s (median)": statistics.median(e["heal_time"] for e in heals) if heals else float("nan"),
-        "goodput cells (samples/s)": goodput_cells,
-        "goodput ckpt-restart (samples/s)": goodput_restart,
-        "ratio": goodput_cells / goodput_restart,
-        "fresh job start s": startup_s,
-        "failure-free goodput": samples / base_train,
+    kills = kill_steps(args.steps, args.every, args.random)
+    faults = fault_overrides(kills)
+    common = [f"num_steps={args.steps}", f"checkpoint.interval={args.checkpoint_interval}",
+              "checkpoint.save_final=false", *args.overrides]
+    cells = ["dp=cells", f"dp.num_cells={args.cells}"]
+    sides = {
+        "failure_free": [*cells, *common],
+        "cells": [*cells, "ft.await_replacement_s=0", *common, *faults],
+        "checkpoint_restart": ["dp=classic", f"dp.size={args.cells}", *common, *faults],
+        "cells_no_replace": [*cells, "ft.replace_failed=false", f"ft.min_cells={args.cells}", *common, *faults],
     }
-    print(table(list(row), [list(row.values())]))
-    (OUT / "faults.json").write_text(json.dumps(row, indent=1))
+    schedule = f"random seed {args.random}" if args.random is not None else f"every {args.every}"
+    rows = []
+    for side in args.sides:
+        run_dir = OUT / f"faults_{side}"
+        row = account(side, run_dir, supervise(run_dir, sides[side]))
+        rows.append({"kills": schedule, "kill_steps": kills, "cells": args.cells, **row})
+        print(f"{side}: {row['wall_s']:.0f} s, {row['restarts']} restarts", flush=True)
+    headers = ["side", "cells", "kills", "failures", "restarts", "goodput", "ettr", "mttr median", "mttr max",
+               "samples lost", "steps recomputed", "wall s"]
+    print(table(headers, [[r["side"], r["cells"], r["kills"], r["failures"], r["restarts"], r["goodput"], r["ettr"],
+                           r["mttr_median_s"] if r["mttr_median_s"] is not None else "-",
+                           r["mttr_max_s"] if r["mttr_max_s"] is not None else "-",
+                           r["samples_lost"], r["steps_recomputed"], r["wall_s"]] for r in rows]))
+    OUT.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

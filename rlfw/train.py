@@ -17,10 +17,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlfw.cluster.worker_setup import KNOWN_WARNINGS_ENV, setup_process
 from rlfw.config import ConfigError, register_configs, validate
+from rlfw.ft.errors import BelowMinCellsError, WorldLostError
 from rlfw.loop import NothingToTrainError
 from rlfw.sweep import run_sweep_job
 
 log = logging.getLogger("rlfw")
+# The job lost workers it cannot go on without (a classic rank, cells below ft.min_cells); its state is in the last
+# checkpoint, so the same command with resume=auto continues (EX_TEMPFAIL: a supervisor may restart it).
+EXIT_RESTARTABLE = 75
 register_configs()
 
 
@@ -77,7 +81,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         check_compatible(resume, shape, cfg.num_steps, needs_critic=cfg.algo.name == "ppo")
         cfg.resume = str(resume.path)  # what the workers load
         rewound = rewind_step_logs(run_dir, resume.step)
-        log.info("resuming from %s at step %d%s", resume.path, resume.step, f" (rewound {rewound})" if rewound else "")
+        inside = " inside the step (its batch is saved)" if read_partial(resume.path) else ""
+        log.info("resuming from %s at step %d%s%s", resume.path, resume.step, inside,
+                 f" (rewound {rewound})" if rewound else "")
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     start_ray(cfg.cluster, known_warnings_log=str(known_warnings))
@@ -145,6 +151,9 @@ def main(cfg: DictConfig) -> float:
         except NothingToTrainError as e:
             log.error("cannot train: %s", e)
             sys.exit(1)
+        except (WorldLostError, BelowMinCellsError) as e:  # workers lost for good; the state is on disk
+            log.error("job lost: %s", e)
+            sys.exit(EXIT_RESTARTABLE)
     log.info("run finished: %s (reward/mean %.3f)", run_dir, metrics.get("reward/mean", float("nan")))
     return metrics.get("reward/mean", float("nan"))  # the value Hydra sweepers optimise
 

@@ -13,6 +13,7 @@ from rlfw.algo.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlfw.cluster.address import AddressError, check_rule
 from rlfw.cluster.labels import parse_labels
 from rlfw.config.schema import RLConfig
+from rlfw.ft.faults import CELL_ONLY_PHASES
 
 
 class ConfigError(ValueError):
@@ -149,8 +150,14 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
         raise ConfigError(str(e)) from None
 
     _choice("fault.kind", cfg.fault.kind, {"none", "kill_once", "random"})
-    if cfg.fault.kind != "none" and cfg.dp.mode != "cells":
-        raise ConfigError(f"fault.kind={cfg.fault.kind!r} needs dp=cells: classic DP cannot survive a death")
+    if cfg.fault.kind != "none" and cfg.dp.mode == "classic":  # a death ends a classic job, as in real life
+        replicas = cfg.dp.size
+        for index, entry in enumerate([cfg.fault] + list(cfg.fault.extra_kills)):
+            name = "fault" if index == 0 else f"fault.extra_kills[{index - 1}]"
+            if entry.get("phase") in CELL_ONLY_PHASES:
+                raise ConfigError(f"{name}.phase={entry.get('phase')!r} needs dp=cells: a classic world never heals")
+            if cfg.fault.kind == "kill_once" and entry.get("cell", 0) >= replicas:
+                raise ConfigError(f"{name}.cell={entry.get('cell')} names no replica of dp=classic dp.size={replicas}")
     _choice("fault.role", cfg.fault.role, {"actor", "critic"})
     for index, entry in enumerate([cfg.fault] + list(cfg.fault.extra_kills)):
         name = "fault" if index == 0 else f"fault.extra_kills[{index - 1}]"

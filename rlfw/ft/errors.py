@@ -13,6 +13,11 @@ class BelowMinCellsError(FatalError):
     """Fewer than ft.min_cells cells stayed alive and no replacement became ready before the deadline."""
 
 
+class WorldLostError(RuntimeError):
+    """A rank of a classic world died: Megatron's collectives cannot go on without it, so the job ends and a
+    restart (``resume=auto``) continues from the last checkpoint."""
+
+
 class UnfiredFaultError(RuntimeError):
     """A scheduled kill (``fault=kill_once``) never fired: the run did not test what it was asked to."""
 

@@ -2,8 +2,9 @@
 
 Nothing is raised and nothing is cleaned up: the other cells see exactly what they would see if the machine under
 this rank vanished (``signal=kill``) or froze (``signal=stop``: a GC pause, swapping, a stuck driver call). A
-scheduled fault fires once per run, whichever process reaches it first: the first to reach it creates a marker file
-in the run directory (an atomic O_EXCL create) and then acts.
+scheduled fault fires once per run directory, whichever process reaches it first: the first to reach it creates a
+marker file there (an atomic O_EXCL create, recording who fired, when and at which step) and then acts; a job
+restarted in the same run directory (``resume=auto``) does not fire it again.
 
 A process cannot resume itself, so a stop comes from outside the cell: rank 0 starts ``rlfw.ft.stopper``, which
 SIGSTOPs every rank of the cell by pid (each rank registers its pid when it starts), waits ``duration_s`` and sends
@@ -32,6 +33,7 @@ PHASES = (
     "weight_sync",
     "checkpoint_save",
 )
+CELL_ONLY_PHASES = ("heal_send", "heal_receive")  # a classic world never heals: these never happen there
 SIGNALS = ("kill", "stop")
 ANY = -1  # cell or incarnation wildcard
 
@@ -94,7 +96,7 @@ class FaultInjector:
                 and step >= kill["step"]
                 and kill["cell"] in (ANY, self.cell)
                 and kill["incarnation"] in (ANY, self.incarnation)
-                and self._claim(index, kill["signal"])
+                and self._claim(index, kill["signal"], step)
             ):
                 self._act(kill["signal"], kill["duration_s"])
 
@@ -122,14 +124,14 @@ class FaultInjector:
         )
         stopper.wait()  # this process is stopped too meanwhile; the stopper exits once it has sent SIGCONT
 
-    def _claim(self, index: int, how: str) -> bool:
+    def _claim(self, index: int, how: str, step: int) -> bool:
         self.marker_dir.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(self.marker_dir / f"kill_{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
         record = {"cell": self.cell, "incarnation": self.incarnation, "pid": os.getpid(), "time": time.time(),
-                  "signal": how}
+                  "signal": how, "step": step, "phase": self.kills[index]["phase"]}
         os.write(fd, (json.dumps(record) + "\n").encode())
         os.close(fd)
         return True

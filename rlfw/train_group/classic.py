@@ -5,12 +5,15 @@ The baseline rlfw's cells are measured against: one failed rank fails the whole 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List
 
 import ray
 import torch.distributed as dist
+from ray.exceptions import RayActorError
 
 from rlfw.ft.agreement import verify_agreement
+from rlfw.ft.errors import WorldLostError
 from rlfw.train_group.world import World, get_all
 
 
@@ -40,6 +43,7 @@ class ClassicSync:
         pass  # Megatron DDP keeps no step count of its own
 
     def reduce_and_commit(self, part):
+        self.worker.faults.maybe_fault("during_allreduce", part.meta["step"])  # its peers are entering it
         self.worker.trainer.model.finish_grad_sync()
         group = self.ps.get_data_parallel_group()
         ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
@@ -53,6 +57,23 @@ class ClassicSync:
 
     def shutdown(self) -> None:
         pass
+
+
+def ends_on_death(call):
+    """A dead rank ends the world's call with WorldLostError, naming the way on (``resume=auto``)."""
+
+    @functools.wraps(call)
+    def wrapped(self, *args, **kwargs):
+        try:
+            return call(self, *args, **kwargs)
+        except RayActorError as e:
+            raise WorldLostError(
+                f"a rank of the classic world died in {call.__name__} ({str(e).splitlines()[0]}): classic DP cannot "
+                "go on without it; run the same command with resume=auto to continue from the last checkpoint, or "
+                "use dp=cells to survive it"
+            ) from e
+
+    return wrapped
 
 
 class ClassicGroup:
@@ -69,25 +90,30 @@ class ClassicGroup:
     def replica_ids(self) -> List[int]:
         return list(range(self.num_replicas))
 
+    @ends_on_death
     def compute_logprobs(self, batch, parts: List[List[int]]) -> List[Dict[str, Any]]:
         """Replica r computes log-probs of ``parts[r]``; returns one result per replica."""
         return self.world.call_by_replica("compute_logprobs", [(batch, p) for p in parts])
 
+    @ends_on_death
     def train(self, minibatches) -> Dict[int, List[Dict[str, Any]]]:
         """Per replica, the stats of each committed optimizer step."""
         results = self.world.call_leaders("train", minibatches, {"id": 0, "replicas": self.num_replicas})
         return dict(enumerate(results))
 
+    @ends_on_death
     def export_weights(self) -> ray.ObjectRef:
         """Replica 0's TP ranks gather the full weights together; rank 0's copy goes to the engines."""
         refs = [w.export_weights.remote() for w in self.world.leaders_group(0)]
         get_all(refs)
         return refs[0]
 
+    @ends_on_death
     def save(self, path: str, step: int) -> None:
         """Every rank joins Megatron's distributed save; each shard is written once (by data-parallel rank 0)."""
         get_all([w.save.remote(path, step) for w in self.world.workers])
 
+    @ends_on_death
     def weights_digests(self) -> List[str]:
         return self.world.call_leaders("weights_digest")
 

@@ -33,6 +33,15 @@ def model_shape(cfg, vocab_size: int) -> ModelShape:
     )
 
 
+def fault_target(cfg, rank: int, world_size: int, cell: Optional[int]) -> Tuple[int, int, int]:
+    """(cell, rank in it, its size) as ``fault.*`` names them: in a classic world the "cell" is the data-parallel
+    replica (Megatron's rank order is tp, dp, pp), so ``fault.cell=1`` kills replica 1's first rank."""
+    if cell is not None:
+        return cell, rank, world_size
+    tp, replicas = cfg.dp.tp, cfg.dp.size
+    return (rank // tp) % replicas, rank % tp + tp * (rank // (tp * replicas)), world_size // replicas
+
+
 def resolve_device(cfg) -> torch.device:
     if cfg.cluster.device == "cuda" or (cfg.cluster.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
@@ -55,8 +64,9 @@ class TrainerWorker:
         self.cfg = OmegaConf.create(cfg)
         self.rank, self.world_size, self.cell = rank, world_size, cell
         self.incarnation, self.role = incarnation, role
-        self.faults = FaultInjector(self.cfg.fault, self.cfg.run_dir, cell if cell is not None else -1, rank,
-                                    incarnation, role, world_size)
+        fault_cell, fault_rank, fault_world = fault_target(self.cfg, rank, world_size, cell)
+        self.faults = FaultInjector(self.cfg.fault, self.cfg.run_dir, fault_cell, fault_rank, incarnation, role,
+                                    fault_world)
         # The last minibatch this rank's group committed and how many optimizer steps (healed and saved with state).
         self.cursor = {"rl_step": -1, "minibatch_index": -1, "optimizer_steps": 0}
         self.shape = model_shape(self.cfg, vocab_size)

@@ -81,7 +81,8 @@ def test_unknown_group_option():
         ("logger.backends=[jsonl,tensorboard]", "logger.backends"),
         ("resume=", "resume"),
         ("checkpoint.keep_last=-1", "checkpoint.keep_last"),
-        ("dp=classic fault.kind=kill_once", "fault.kind"),
+        ("dp=classic fault.kind=kill_once fault.phase=heal_send", "fault.phase"),
+        ("dp=classic fault.kind=kill_once fault.cell=2", "fault.cell"),
         ("dp.num_cells=2 ft.min_cells=3", "ft.min_cells"),
     ],
 )
