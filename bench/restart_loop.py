@@ -141,7 +141,7 @@ def account(side: str, run_dir: Path, jobs: List[Job]) -> Dict:
     # inside the step); a job that fell back to its last checkpoint by itself threw away the step it was in.
     in_flight = [job.in_flight for job, after in zip(jobs, jobs[1:])
                  if not (after.resumed_inside and after.resumed_at == job.in_flight)]
-    in_flight += [e["lost_step"] for e in fallbacks]
+    in_flight += [e["step"] for e in fallbacks]
     rollout_size = {r["step"]: r.get("rollout/num_samples", r["train/num_samples"]) for r in kept}
     detect = [e["detected_at"] - m["time"] for m in markers for e in events
               if e["kind"] == "cell_failed" and e["cell"] == m["cell"] and e["incarnation"] == m["incarnation"]]

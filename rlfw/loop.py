@@ -18,10 +18,11 @@ from rlfw.algo import algo_options
 from rlfw.algo.advantages import compute_advantages
 from rlfw.algo.gae import explained_variance, returns
 from rlfw.algo.nonfinite import nonfinite_advantages, skipped_steps, verdict
-from rlfw.checkpoint.partial import PartialStep
 from rlfw.data.batch import EagerParts, RolloutBatch, split_batch
 from rlfw.data.partition import strided_partition
-from rlfw.ft.errors import BelowMinCellsError
+from rlfw.checkpoint.partial import PartialStep, read_partial
+from rlfw.checkpoint.resume import rewind_step_logs
+from rlfw.ft.errors import BelowMinCellsError, StateLostError
 
 
 class NothingToTrainError(RuntimeError):
@@ -225,6 +226,71 @@ def prepare_step(cfg, group, critic, manager, loggers, step: int, version: int) 
     return PartialStep(step, batch, metrics, rollout["examples"])
 
 
+def restore_last_state(cfg, group, critic, loggers, run_dir: Path, checkpointer, step: int, error: Exception):
+    """Every cell holding the trained state died in step ``step``: what a restarted job would do, in this one. The
+    cells start afresh from the newest checkpoint (or the job's own start), the step logs of the steps to redo are
+    rewound (as ``resume`` does), and the event ``state_restored`` says so. Returns (the step to go on from, the
+    interrupted step that checkpoint holds, if it was taken inside one)."""
+    point = checkpointer.last_state()
+    to_step = point.step if point is not None else 0
+    failures = [(source, role) for source, role in ((group, {}), (critic, {"role": "critic"})) if source is not None]
+    drained = [(event, role) for source, role in failures for event in source.drain_events()]
+    loggers.reopen_files()
+    rewound = rewind_step_logs(run_dir, to_step)
+    for event, role in drained:  # the failures that led here, logged after the rewind: they stay in the record
+        loggers.event(event.pop("kind"), step, **role, **event)
+    for source, _ in failures:
+        source.restore(str(point.path) if point is not None else None)
+    loggers.event("state_restored", step, restored_step=to_step, reason=str(error)[:300],
+                  checkpoint=str(point.path) if point is not None else None, rewound=rewound)
+    return to_step, read_partial(point.path) if point is not None else None
+
+
+def train_step(cfg, group, critic, manager, loggers, ledger, checkpointer, current: PartialStep, t0: float,
+               started: float, version: int) -> Dict[str, float]:
+    """Train the prepared step ``current`` on every replica (the critic too), check that every sample trained
+    exactly once, record it in the ledger, push the new weights (version ``version + 1``), log, checkpoint."""
+    step = current.step
+    batch, metrics, examples = current.batch, dict(current.metrics), current.examples
+    minibatches = batch.minibatches(cfg.algo.global_batch_size)
+    t2 = time.perf_counter()
+    results = group.train(plan_split(minibatches, cfg.split, len(group.replica_ids())))
+    critic_record: Dict[str, Any] = {}
+    if critic is not None:
+        metrics.update(train_critic(cfg, critic, batch, minibatches, step, critic_record,
+                                    current.done_sample_ids("critic", minibatches)))
+        for event in critic.drain_events():
+            loggers.event(event.pop("kind"), step, role="critic", **event)
+    t3 = time.perf_counter()
+    trained = current.done_sample_ids("actor", minibatches) + trained_sample_ids(results)
+    check_exactly_once(batch, trained)
+    current.complete = True  # every minibatch is committed: a save from here on is between steps
+    record = {"step": step, "sample_ids": sorted(trained)}
+    if cfg.ft.verify_weights_every and step % cfg.ft.verify_weights_every == 0:
+        t_verify = time.perf_counter()
+        record["weight_digests"] = verify_replicas_equal(group, step)
+        metrics["time/verify_weights"] = time.perf_counter() - t_verify
+    ledger.write(json.dumps({**record, **critic_record}) + "\n")
+    metrics["time/weight_sync"] = wait_for(manager.update_weights.remote(group.export_weights(), version + 1), cfg,
+                                           f"step {step}'s weight push")
+    metrics.update(step_metrics(batch, results, group.metric_prefix))
+    metrics.update(group.step_info())
+    for event in group.drain_events():
+        loggers.event(event.pop("kind"), step, **event)
+    metrics.update({"time/train": t3 - t2, "time/step": time.perf_counter() - t0,
+                    "time/elapsed": time.time() - started})
+    skipped = skipped_steps(results)
+    metrics.update(verdict(cfg.algo.on_nonfinite, step, skipped))
+    for quantity, count in skipped.items():
+        loggers.event("nonfinite_skip", step, quantity=quantity, optimizer_steps=count)
+    loggers.log(metrics, step)
+    if step % 10 == 0:
+        loggers.table("generations", ["sample_id", "prompt", "response", "reward"], examples, step)
+    if checkpointer is not None:
+        checkpointer.maybe_save(step, final=step == cfg.num_steps - 1)
+    return metrics
+
+
 def run_loop(
     cfg, group, manager, loggers, run_dir: Path, checkpointer=None, started: Optional[float] = None,
     start_step: int = 0, critic=None, resumed: Optional[PartialStep] = None,
@@ -238,70 +304,53 @@ def run_loop(
     ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)  # per step: trained sample ids, weight digests
     loggers.table("algo", ["option", "value"], algo_options(cfg.algo), start_step)  # the combination in use
     metrics: Dict[str, float] = {}
-    step = start_step
+    step, next_step, restores = start_step, start_step, 0
     current: Optional[PartialStep] = None  # the step under way: what a save below ft.min_cells keeps
     try:
-        for step in range(start_step, cfg.num_steps):
+        while next_step < cfg.num_steps:
+            step, next_step = next_step, next_step + 1
             t0 = time.perf_counter()
-            if resumed is not None and resumed.step == step:
-                current = resumed
-            else:
-                current = prepare_step(cfg, group, critic, manager, loggers, step, version)
-                if current is None:
-                    continue
-            batch, metrics, examples = current.batch, dict(current.metrics), current.examples
-            minibatches = batch.minibatches(cfg.algo.global_batch_size)
-            t2 = time.perf_counter()
-            results = group.train(plan_split(minibatches, cfg.split, len(group.replica_ids())))
-            critic_record: Dict[str, Any] = {}
-            if critic is not None:
-                metrics.update(train_critic(cfg, critic, batch, minibatches, step, critic_record,
-                                            current.done_sample_ids("critic", minibatches)))
-                for event in critic.drain_events():
-                    loggers.event(event.pop("kind"), step, role="critic", **event)
-            t3 = time.perf_counter()
-            trained = current.done_sample_ids("actor", minibatches) + trained_sample_ids(results)
-            check_exactly_once(batch, trained)
-            current = None  # every minibatch is committed: a save from here on is between steps
-            record = {"step": step, "sample_ids": sorted(trained)}
-            if cfg.ft.verify_weights_every and step % cfg.ft.verify_weights_every == 0:
-                t_verify = time.perf_counter()
-                record["weight_digests"] = verify_replicas_equal(group, step)
-                metrics["time/verify_weights"] = time.perf_counter() - t_verify
-            ledger.write(json.dumps({**record, **critic_record}) + "\n")
+            try:
+                if resumed is not None and resumed.step == step:
+                    current = resumed
+                else:
+                    current = prepare_step(cfg, group, critic, manager, loggers, step, version)
+                    if current is None:
+                        continue
+                metrics = train_step(cfg, group, critic, manager, loggers, ledger, checkpointer, current, t0,
+                                     started, version)
+            except StateLostError as e:  # nobody holds the trained state: the last checkpoint does
+                if checkpointer is None or restores >= cfg.ft.max_state_restores:
+                    raise
+                restores += 1
+                ledger.close()
+                next_step, resumed = restore_last_state(cfg, group, critic, loggers, run_dir, checkpointer, step, e)
+                ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)
+                version = next_step
+                wait_for(manager.update_weights.remote(group.export_weights(), version), cfg,
+                         "the restored weights' push")
+                current = None
+                continue
+            current = None
             version += 1
-            metrics["time/weight_sync"] = wait_for(manager.update_weights.remote(group.export_weights(), version), cfg,
-                                                   f"step {step}'s weight push")
-            metrics.update(step_metrics(batch, results, group.metric_prefix))
-            metrics.update(group.step_info())
-            for event in group.drain_events():
-                loggers.event(event.pop("kind"), step, **event)
-            metrics.update({"time/train": t3 - t2, "time/step": time.perf_counter() - t0,
-                            "time/elapsed": time.time() - started})
-            skipped = skipped_steps(results)
-            metrics.update(verdict(cfg.algo.on_nonfinite, step, skipped))
-            for quantity, count in skipped.items():
-                loggers.event("nonfinite_skip", step, quantity=quantity, optimizer_steps=count)
-            loggers.log(metrics, step)
-            if step % 10 == 0:
-                loggers.table("generations", ["sample_id", "prompt", "response", "reward"], examples, step)
-            if checkpointer is not None:
-                checkpointer.maybe_save(step, final=step == cfg.num_steps - 1)
     except BelowMinCellsError as e:
         for source, role in ((group, {}), (critic, {"role": "critic"})):  # the failures that led here, logged
             for event in source.drain_events() if source is not None else ():
                 loggers.event(event.pop("kind"), step, **role, **event)
         if checkpointer is None:
             raise
+        steps_done = step
+        if current is not None and current.complete:  # the step is committed: a save after it
+            current, steps_done = None, step + 1
         if current is not None:  # the survivors may be inside the step: the save says how far they got
             current.done = {"actor": group.minibatches_committed(step)}
             if critic is not None:
                 current.done["critic"] = critic.minibatches_committed(step)
             if not any(current.done.values()):
                 current = None  # nothing of the step committed: a save between steps
-        path = checkpointer.save_now(step, partial=current)
+        path = checkpointer.save_now(steps_done, partial=current)
         held = f" and {current.done} minibatches of step {step}" if current is not None else ""
-        raise BelowMinCellsError(f"{e}; the trained state of {step} steps{held} is saved in {path}") from e
+        raise BelowMinCellsError(f"{e}; the trained state of {steps_done} steps{held} is saved in {path}") from e
     finally:
         ledger.close()
     return metrics

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -28,15 +29,16 @@ EXIT_RESTARTABLE = 75
 register_configs()
 
 
-def build_group(cfg, vocab_size: int, role: str = "actor"):
-    """The policy's train group, or (``role=critic``, algo=ppo) the value model's: same dp mode, same replicas."""
+def build_group(cfg, vocab_size: int, role: str = "actor", load_from: Optional[str] = None):
+    """The policy's train group, or (``role=critic``, algo=ppo) the value model's: same dp mode, same replicas,
+    starting from the checkpoint ``load_from`` (None: the init weights)."""
     if cfg.dp.mode == "classic":
         from rlfw.train_group.classic import ClassicGroup
 
-        return ClassicGroup(cfg, vocab_size, role)
+        return ClassicGroup(cfg, vocab_size, role, load_from)
     from rlfw.train_group.cells import CellGroup
 
-    return CellGroup(cfg, vocab_size, role)
+    return CellGroup(cfg, vocab_size, role, load_from)
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
@@ -79,7 +81,6 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     resume = resolve_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
     if resume is not None:
         check_compatible(resume, shape, cfg.num_steps, needs_critic=cfg.algo.name == "ppo")
-        cfg.resume = str(resume.path)  # what the workers load
         rewound = rewind_step_logs(run_dir, resume.step)
         inside = " inside the step (its batch is saved)" if read_partial(resume.path) else ""
         log.info("resuming from %s at step %d%s%s", resume.path, resume.step, inside,
@@ -98,16 +99,17 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     group = critic = manager = None
     exit_code = 1
     try:
-        group = build_group(cfg, vocab_size)
+        load_from = str(resume.path) if resume is not None else None
+        group = build_group(cfg, vocab_size, load_from=load_from)
         if cfg.algo.name == "ppo":
-            critic = build_group(cfg, vocab_size, role="critic")
+            critic = build_group(cfg, vocab_size, role="critic", load_from=load_from)
         # Orchestration stays with the driver (on its node, like the Lighthouse): a lost trainer node must not take
         # the rollout manager with it; the engines go where rollout.engine_label_selector says.
         manager = RolloutManager.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
             ray.get_runtime_context().get_node_id(), soft=False)).remote(OmegaConf.to_container(cfg, resolve=True),
                                                                           shape)
         checkpointer = Checkpointer(cfg, group, run_dir, shape, run_info=lambda: {"wandb_run_id": loggers.run_id},
-                                    critic=critic)
+                                    critic=critic, origin=resume)
         if resume is not None:
             loggers.event("resumed", resume.step, checkpoint=str(resume.path), saved_layout=resume.meta["layout"])
         start_step = resume.step if resume else 0

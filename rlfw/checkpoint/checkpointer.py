@@ -9,6 +9,7 @@ from typing import Any
 
 from rlfw.checkpoint.layout import commit, prune, staging_dir, step_dir
 from rlfw.checkpoint.partial import PartialStep, write_partial
+from rlfw.checkpoint.resume import ResumePoint, resolve_resume
 
 
 class Checkpointer:
@@ -20,8 +21,9 @@ class Checkpointer:
     """
 
     def __init__(self, cfg, group, run_dir: Path, shape, run_info: Callable[[], dict[str, Any]] = dict,
-                 critic=None):
-        self.group, self.critic = group, critic
+                 critic=None, origin: ResumePoint | None = None):
+        """``origin``: the checkpoint the job started from (None: the init weights)."""
+        self.group, self.critic, self.origin = group, critic, origin
         self.interval = cfg.checkpoint.interval
         self.save_final = cfg.checkpoint.save_final
         self.keep_last = cfg.checkpoint.keep_last
@@ -44,6 +46,10 @@ class Checkpointer:
         path = commit(staging, step_dir(self.root, steps_done), meta)
         prune(self.root, self.keep_last)
         return path
+
+    def last_state(self) -> ResumePoint | None:
+        """The newest verified checkpoint of this run, else the job's own start (None: the init weights)."""
+        return resolve_resume("auto", self.root) or self.origin
 
     def maybe_save(self, step: int, final: bool) -> Path | None:
         if (self.interval and (step + 1) % self.interval == 0) or (final and self.save_final):

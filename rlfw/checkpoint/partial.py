@@ -28,6 +28,7 @@ class PartialStep:
     metrics: Dict[str, float]  # the rollout's and the log-prob phase's metrics, logged when the step completes
     examples: List[Any] = field(default_factory=list)  # the rollout's sample generations (the generations table)
     done: Dict[str, int] = field(default_factory=dict)  # role ("actor", "critic") -> minibatches committed
+    complete: bool = False  # every minibatch committed (the step is logged and saved as done, never as partial)
 
     def done_sample_ids(self, role: str, minibatches: List[RolloutBatch]) -> List[int]:
         """The samples ``role`` trained before the save: every sample of its committed minibatches."""

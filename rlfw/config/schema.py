@@ -180,6 +180,9 @@ class FTConfig:
     writer_timeout_s: float = 600.0  # one weight export or checkpoint save by the writer; then the next cell writes
     replace_failed: bool = True
     max_replacements: int = 16  # replacements started over the run (-1: no limit); past it the survivors go on
+    # When every cell holding the trained state dies (no live peer to heal from), the job restores its newest
+    # checkpoint by itself, up to this many times (0: it stops instead, and resume=auto restarts it).
+    max_state_restores: int = 3
     replacement_backoff_s: float = 1.0  # a cell id failing again before it committed waits this, doubled per failure
     replacement_deadline_s: float = 120.0  # how long the driver waits for a replacement when below min_cells
     # Before a step, wait up to this long for replacements still setting up (0 = never wait: a replacement

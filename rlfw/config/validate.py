@@ -189,6 +189,7 @@ def _validate_ft_timeouts(cfg) -> None:
         _positive(f"ft.{key}", ft[key] if isinstance(ft, DictConfig) else getattr(ft, key))
     _positive("ft.await_replacement_s", ft.await_replacement_s, allow_zero=True)
     _positive("ft.replacement_backoff_s", ft.replacement_backoff_s, allow_zero=True)
+    _positive("ft.max_state_restores", ft.max_state_restores, allow_zero=True)
     if ft.max_replacements < -1:
         raise ConfigError(f"ft.max_replacements={ft.max_replacements} must be >= 0, or -1 for no limit")
     lapse = ft.heartbeat_timeout_s + ft.join_timeout_s

@@ -124,7 +124,7 @@ class CellSync:
         """A replacement must have healed before it trains on anything past the first minibatch of the run."""
         if self.manager.errored() is not None:
             return  # a failed heal: this attempt will not commit and is retried on a fresh quorum
-        if self.worker.incarnation > 0 and not self.healed and self.manager.current_step() == 0 and (
+        if self.worker.heals and not self.healed and self.manager.current_step() == 0 and (
             meta["step"] > 0 or meta["minibatch_index"] > 0
         ):
             # Every cell in this quorum is a fresh replacement: the trained state died with its last holder.

@@ -58,7 +58,8 @@ class SyncHost(Protocol):
     trainer: Any  # device, grad_buffers(), zero_grad(), model.module (state_dict), optimizer
     faults: FaultInjector  # maybe_fault(phase, step) at the protocol's phases
     cursor: Dict[str, int]  # the last committed rl_step and minibatch_index, optimizer_steps: sent in a heal
-    incarnation: int  # 0 for the run's first cells, > 0 for replacements
+    incarnation: int  # 0 for the run's first cells, > 0 for replacements (and cells restored from a checkpoint)
+    heals: bool  # it takes the trained state from a live peer (a replacement), not from the init or a checkpoint
 
 
 def position(meta: Dict[str, Any]) -> Tuple[int, int]:

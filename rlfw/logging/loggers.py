@@ -327,6 +327,12 @@ class MultiLogger:
     def finish(self, exit_code: int = 0) -> None:
         self._fan_out("finish", exit_code)
 
+    def reopen_files(self) -> None:
+        """Close the JSONL files; the next record opens them again (a rewind replaced them under the handles)."""
+        for logger in self.loggers:
+            if isinstance(logger, JsonlLogger):
+                logger.finish()
+
     def _fan_out(self, method: str, *args: Any, **kwargs: Any) -> None:
         errors = []
         for logger in self.loggers:

@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from rlfw.cluster.address import node_address
 from rlfw.ft.cell_sync import CellSync
-from rlfw.ft.errors import BelowMinCellsError, FatalError, JobError
+from rlfw.ft.errors import BelowMinCellsError, FatalError, JobError, StateLostError
 from rlfw.ft.lighthouse import Lighthouse, heartbeat_ages
 from rlfw.ft.membership import Membership
 from rlfw.train_group.placement import node_ip, node_of
@@ -48,13 +48,16 @@ class Cell:
     """One Megatron world of TP x PP ranks with its own store, actors and torchft replica id."""
 
     def __init__(self, cell_id: int, cfg, vocab_size: int, lighthouse_address: str, membership_address,
-                 incarnation: int, role: str = "actor", avoid_nodes: Sequence[str] = ()):
+                 incarnation: int, role: str = "actor", avoid_nodes: Sequence[str] = (), load_from: Optional[str] = None,
+                 heals: bool = False):
+        """``heals``: a replacement, which takes the trained state from a live peer in its first quorum; otherwise
+        the cell starts from ``load_from`` (a checkpoint) or the init weights."""
         self.id, self.incarnation = cell_id, incarnation
         self.world = World(
             cfg, cfg.dp.tp * cfg.dp.pp, vocab_size, cell=cell_id,
             sync_factory=functools.partial(CellSync, lighthouse_address=lighthouse_address,
                                            membership_address=membership_address),
-            incarnation=incarnation, role=role,
+            incarnation=incarnation, role=role, load_from=load_from, heals=heals,
         )
         self.replica_id: Optional[str] = None  # its Manager's name at the Lighthouse, once set up
         self.placement = self.world.place(avoid_nodes)  # nothing waits: pending until Ray has room
@@ -63,9 +66,9 @@ class Cell:
         self.node: Optional[str] = None
         self.setup_refs: List[ray.ObjectRef] = []
         self.error: Optional[str] = None
-        # Holds the job's trained state: true from the start for the first cells (identical initial weights),
-        # and for a replacement only once it healed from a peer and committed a step.
-        self.current = incarnation == 0
+        # Holds the job's trained state: true from the start for a cell that loads it (identical initial weights
+        # or checkpoint), and for a replacement only once it healed from a peer and committed a step.
+        self.current = not heals
 
     def poll(self) -> CellState:
         """PLACING -> ALLOCATED once Ray placed it (its actors are created then), ALLOCATED -> ALIVE once every rank
@@ -107,9 +110,10 @@ def start_lighthouse(cfg, role: str):
 
 
 class CellGroup:
-    def __init__(self, cfg, vocab_size: int, role: str = "actor"):
+    def __init__(self, cfg, vocab_size: int, role: str = "actor", load_from: Optional[str] = None):
         """``role=critic``: PPO's value model, in cells of its own with their own Lighthouse (critic cell i pairs
-        with actor cell i; a replacement keeps its cell id, so the pairing survives a heal)."""
+        with actor cell i; a replacement keeps its cell id, so the pairing survives a heal). ``load_from``: the
+        checkpoint the first cells start from (None: the init weights)."""
         self.cfg, self.vocab_size, self.role = cfg, vocab_size, role
         self.metric_prefix = "cell" if role == "actor" else "critic_cell"
         self.events: List[Dict[str, Any]] = []  # failures, joins, heals, quorum changes; drained by the loop
@@ -124,13 +128,29 @@ class CellGroup:
         self.failures = 0
         self.policy = ReplacementPolicy(ft.replace_failed, ft.max_replacements, ft.replacement_backoff_s)
         self.scheduled: Dict[int, Tuple[float, int]] = {}  # cell id -> (start not before, incarnation)
-        deadline = time.monotonic() + ft.replacement_deadline_s
-        for cell_id in range(cfg.dp.num_cells):
-            self.cells[cell_id] = self._new_cell(cell_id, incarnation=0)
-            if cfg.cluster.cell_placement == "spread":  # the next cell avoids this one's node: it must be known
+        self._start_cells(load_from, incarnations={cell_id: 0 for cell_id in range(cfg.dp.num_cells)})
+
+    def _start_cells(self, load_from: Optional[str], incarnations: Dict[int, int]) -> None:
+        """Start every cell from ``load_from`` (or the init weights) and wait until all are alive."""
+        deadline = time.monotonic() + self.cfg.ft.replacement_deadline_s
+        for cell_id, incarnation in incarnations.items():
+            self.cells[cell_id] = self._new_cell(cell_id, incarnation, load_from=load_from, heals=False)
+            if self.cfg.cluster.cell_placement == "spread":  # the next cell avoids this one's node: it must be known
                 self._start_up(self.cells[cell_id], deadline, CellState.PLACING)
         for cell in self.cells.values():
             self._start_up(cell, deadline, CellState.ALLOCATED)
+
+    def restore(self, load_from: Optional[str]) -> None:
+        """Every holder of the trained state died: fail what is left (replacements that had nobody to heal from),
+        then start every cell afresh from the checkpoint ``load_from`` (None: the init weights), as a restarted job
+        would, but without leaving the process."""
+        self.scheduled.clear()
+        for cell in self.cells.values():
+            if cell.state is not CellState.ERRORED:
+                self.membership.fence(cell.id, cell.incarnation)
+                cell.fail("restored from the last checkpoint: no live cell held the trained state")
+        self.slowest.clear()  # the restored cells' first calls warm up again
+        self._start_cells(load_from, {cell_id: cell.incarnation + 1 for cell_id, cell in self.cells.items()})
 
     def _start_up(self, cell: "Cell", deadline: float, past: CellState) -> None:
         """Poll a first cell until it has left state ``past`` (PLACING: placed; ALLOCATED: alive)."""
@@ -150,13 +170,13 @@ class CellGroup:
             time.sleep(0.05)
 
     # ------------------------------------------------------------------------------------------ membership
-    def _new_cell(self, cell_id: int, incarnation: int) -> Cell:
+    def _new_cell(self, cell_id: int, incarnation: int, load_from: Optional[str] = None, heals: bool = True) -> Cell:
         occupied = []
         if self.cfg.cluster.cell_placement == "spread":
             occupied = [c.node_id for c in self.cells.values()
                         if c.node_id and c.state in (CellState.ALLOCATED, CellState.ALIVE)]
         return Cell(cell_id, self.cfg, self.vocab_size, self.lighthouse_address, self.membership.address,
-                    incarnation, self.role, avoid_nodes=occupied)
+                    incarnation, self.role, avoid_nodes=occupied, load_from=load_from, heals=heals)
 
     def _poll(self, cell: Cell) -> bool:
         """Advance ``cell`` (placed, set up), with an event for each step a replacement takes; whether it is alive."""
@@ -168,10 +188,11 @@ class CellGroup:
             return False
         if before is CellState.PLACING and state is not CellState.PLACING:
             self._event("cell_placed", cell=cell.id, incarnation=cell.incarnation, node=cell.node)
-        if cell.incarnation > 0 and before is CellState.PLACING and state is not CellState.PLACING:
+        replacement = cell.world.heals
+        if replacement and before is CellState.PLACING and state is not CellState.PLACING:
             self.policy.on_started()
             self._event("cell_replacement_started", cell=cell.id, incarnation=cell.incarnation)
-        if cell.incarnation > 0 and before is not CellState.ALIVE and state is CellState.ALIVE:
+        if replacement and before is not CellState.ALIVE and state is CellState.ALIVE:
             self._event("cell_joined", cell=cell.id, incarnation=cell.incarnation)
         return state is CellState.ALIVE
 
@@ -233,6 +254,9 @@ class CellGroup:
         replacements up to the deadline when fewer than ``minimum`` (default ft.min_cells) are alive."""
         minimum = self.cfg.ft.min_cells if minimum is None else minimum
         deadline = time.monotonic() + self.cfg.ft.replacement_deadline_s
+        if current_only and not any(c.current for c in self.cells.values()
+                                    if c.state not in (CellState.ERRORED, CellState.STOPPED)):
+            raise StateLostError("every cell holding the trained state died; a replacement has nobody to heal from")
         while len(alive := [c for c in self.alive_cells() if c.current or not current_only]) < minimum:
             if time.monotonic() > deadline or not self.replacements_coming():
                 raise BelowMinCellsError(
@@ -393,7 +417,7 @@ class CellGroup:
         finally:
             self.call_members = set()
         if not results:
-            raise RuntimeError("every cell failed during the step; nothing was committed")
+            raise StateLostError("every cell failed during the step; nothing was committed")
         for cell_id in results:
             self.cells[cell_id].current = True  # it committed with its peers: healed if it needed to
             self.policy.on_committed(cell_id)

@@ -6,7 +6,7 @@ The baseline rlfw's cells are measured against: one failed rank fails the whole 
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import ray
 import torch.distributed as dist
@@ -77,11 +77,12 @@ def ends_on_death(call):
 
 
 class ClassicGroup:
-    def __init__(self, cfg, vocab_size: int, role: str = "actor"):
+    def __init__(self, cfg, vocab_size: int, role: str = "actor", load_from: Optional[str] = None):
         self.cfg = cfg
         self.num_replicas = cfg.dp.size
         self.metric_prefix = "dp" if role == "actor" else "critic_dp"
-        self.world = World(cfg, cfg.dp.size * cfg.dp.tp, vocab_size, cell=None, sync_factory=ClassicSync, role=role)
+        self.world = World(cfg, cfg.dp.size * cfg.dp.tp, vocab_size, cell=None, sync_factory=ClassicSync, role=role,
+                           load_from=load_from)
         self.world.start()
 
     def replica_count(self) -> int:

@@ -56,14 +56,17 @@ class TrainerWorker:
 
     def __init__(
         self, cfg: Dict[str, Any], rank: int, world_size: int, vocab_size: int, cell: Optional[int] = None,
-        incarnation: int = 0, role: str = "actor",
+        incarnation: int = 0, role: str = "actor", load_from: Optional[str] = None, heals: bool = False,
     ):
+        """``load_from``: the checkpoint it starts from (None: the init weights, or with ``heals`` a live peer's
+        state, received in its first quorum)."""
         from rlfw.ft.faults import FaultInjector
 
         torch.set_num_threads(int(os.environ.get("RLFW_TORCH_THREADS", "1")))
         self.cfg = OmegaConf.create(cfg)
         self.rank, self.world_size, self.cell = rank, world_size, cell
         self.incarnation, self.role = incarnation, role
+        self.load_from, self.heals = load_from, heals
         fault_cell, fault_rank, fault_world = fault_target(self.cfg, rank, world_size, cell)
         self.faults = FaultInjector(self.cfg.fault, self.cfg.run_dir, fault_cell, fault_rank, incarnation, role,
                                     fault_world)
@@ -108,11 +111,10 @@ class TrainerWorker:
         else:
             self._setup_policy(device)
         self.sync = sync_factory(self)
-        if self.cfg.resume != "none" and self.incarnation == 0:
-            # First incarnations start from the checkpoint; replacements heal from a live peer instead.
+        if self.load_from is not None:
             from rlfw.checkpoint.state import load_state
 
-            path = self.cfg.resume if self.role == "actor" else f"{self.cfg.resume}/critic"
+            path = self.load_from if self.role == "actor" else f"{self.load_from}/critic"
             self.cursor.update(load_state(path, self.trainer)["cursor"])
             self.sync.restore(self.cursor["optimizer_steps"])
         return self.sync.replica_id

@@ -33,9 +33,11 @@ def get_all(refs: Sequence[ray.ObjectRef], timeout_s: Optional[float] = None) ->
 
 class World:
     def __init__(self, cfg, world_size: int, vocab_size: int, cell: Optional[int], sync_factory, incarnation: int = 0,
-                 role: str = "actor"):
+                 role: str = "actor", load_from: Optional[str] = None, heals: bool = False):
+        """``load_from``: the checkpoint its ranks start from; ``heals``: they take a live peer's state instead."""
         self.cfg, self.world_size, self.vocab_size, self.cell = cfg, world_size, vocab_size, cell
         self.incarnation, self.role = incarnation, role
+        self.load_from, self.heals = load_from, heals
         self.sync_factory = sync_factory
         self.tp = cfg.dp.tp
         self.workers: List[Any] = []
@@ -70,7 +72,8 @@ class World:
                 num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
                 name=None,
-            ).remote(cfg, rank, self.world_size, self.vocab_size, self.cell, self.incarnation, self.role)
+            ).remote(cfg, rank, self.world_size, self.vocab_size, self.cell, self.incarnation, self.role,
+                     self.load_from, self.heals)
             for rank in range(self.world_size)
         ]
         store = get_all([self.workers[0].serve_store.remote()], timeout_s=STORE_TIMEOUT_S)[0]

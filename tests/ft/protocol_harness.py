@@ -178,6 +178,7 @@ class Cell:
         cluster = OmegaConf.structured(ClusterConfig(host=HOST, device="cpu"))
         self.cfg = OmegaConf.create({"ft": ft, "cluster": cluster})
         self.cell, self.incarnation = spec["cell"], spec["incarnation"]
+        self.heals = self.incarnation > 0
         self.samples_per_step = spec["samples_per_step"]
         self.rank, self.world_size, self.host = 0, 1, HOST
         fault = OmegaConf.structured(FaultConfig(**spec["fault"]))
