@@ -43,7 +43,7 @@ def fault_overrides(steps: List[int]) -> List[str]:
     replicas 0 and 1, any incarnation (a restarted or restored job starts its cells afresh)."""
     if not steps:
         return []
-    extra = [f"{{cell: {n % 2}, step: {s}, phase: mid_forward_backward, incarnation: -1}}"
+    extra = [f"{{cell: {(n + 1) % 2}, step: {s}, phase: mid_forward_backward, incarnation: -1}}"
              for n, s in enumerate(steps[1:], start=1)]
     return ["fault=kill_once", "fault.cell=1", f"fault.step={steps[0]}", "fault.phase=mid_forward_backward",
             f"fault.extra_kills=[{', '.join(extra)}]"]

@@ -136,17 +136,25 @@ def test_kills_in_the_allreduce_and_after_the_vote_with_several_optimizer_steps(
     assert any(e["kind"] == "resplit" and e["step"] == 1 for e in events)
 
 
-def test_two_of_three_cells_die_in_one_allreduce(reference_run, tmp_path):
+def test_two_of_three_cells_die_in_one_allreduce_then_all_three_in_one_step(reference_run, tmp_path):
     """split=eager, 3 cells: two cells die inside one all-reduce; the last one trains the step alone on the union
     of the three planned parts, and both replacements heal from it at the next step. Against the two-replica
     reference: three cells sum the gradients in another order (round-off, as after every re-split).
 
+    At step 5 all three die before the forward: no live cell holds the trained state, so the job restores its
+    newest checkpoint (after step 3) by itself, redoes steps 4 and 5 on fresh cells, and ends where a run without
+    faults ends.
+
     The deaths of a heal's sender and receiver are protocol phases: tests/ft/test_protocol.py kills them for real."""
     reference = reference_run(*CLASSIC2)
     run_dir = run_rlfw(tmp_path / "run", *FAULTS, "dp.num_cells=3", "split=eager",
-                       *kills((1, 1, "during_allreduce", 0), (2, 1, "during_allreduce", 0)))
+                       *kills((1, 1, "during_allreduce", 0), (2, 1, "during_allreduce", 0),
+                              (0, 5, "before_forward", 0), (1, 5, "before_forward", 1), (2, 5, "before_forward", 1)))
     events = check_run(run_dir, reference, steps_alone={1: [0]})
-    assert sorted(f[:3] for f in failed(events)) == [(1, 1, 0), (1, 2, 0)]
+    assert sorted(f[:3] for f in failed(events)) == [(1, 1, 0), (1, 2, 0), (5, 0, 0), (5, 1, 1), (5, 2, 1)]
+    assert [(e["step"], e["restored_step"]) for e in events if e["kind"] == "state_restored"] == [(5, 4)]
+    assert [e["step"] for e in read_jsonl(run_dir / "ledger.jsonl.rewound")] == [4]  # committed, then lost
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(STEPS))
     assert heal_steps(events) == [2]
     assert sorted(e["cell"] for e in events if e["kind"] == "heal") == [1, 2]
     rows, ref_rows = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")

@@ -1,0 +1,47 @@
+"""The checkpoint-restart side of bench/bench_faults.py, short: two SIGKILLs end a classic job twice, the
+supervisor restarts it with resume=auto each time, and the bench's figures agree with records it did not derive
+them from (the supervisor's own job log, the fault markers, the ledger's rewound entries)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from harness import FAST, read_jsonl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from bench_faults import fault_overrides  # noqa: E402
+from restart_loop import EXIT_RESTARTABLE, account, fault_markers, supervise  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+STEPS, INTERVAL, KILLS = 7, 2, [3, 5]
+
+
+def test_two_restarts_are_accounted_for(tmp_path):
+    run_dir = tmp_path / "restart"
+    overrides = [*FAST, "dp=classic", "dp.size=2", f"num_steps={STEPS}", f"checkpoint.interval={INTERVAL}",
+                 "checkpoint.save_final=false", *fault_overrides(KILLS)]
+    jobs = supervise(run_dir, overrides, max_restarts=2, job_timeout_s=600)
+    row = account("checkpoint_restart", run_dir, jobs)
+
+    # The supervisor's own log: two jobs ended by a lost worker, the third finished.
+    log = json.loads((run_dir / "supervisor.json").read_text())
+    assert [j["returncode"] for j in log] == [EXIT_RESTARTABLE, EXIT_RESTARTABLE, 0]
+    markers = fault_markers(run_dir)
+    assert [(m["step"], m["signal"]) for m in markers] == [(3, "kill"), (5, "kill")]
+    assert row["failures"] == 2 and row["restarts"] == 2
+
+    # Each kill threw away the steps since the last checkpoint: the ledger's rewound entries are exactly those.
+    rewound = read_jsonl(run_dir / "ledger.jsonl.rewound")
+    expected = [s for m in markers for s in range(m["step"] - m["step"] % INTERVAL, m["step"])]
+    assert sorted(r["step"] for r in rewound) == expected == [2, 4]
+    assert row["steps_recomputed"] == len(rewound)
+    final = {r["step"]: r for r in read_jsonl(run_dir / "ledger.jsonl")}
+    in_flight = sum(len(final[m["step"]]["sample_ids"]) for m in markers)  # generated, never committed
+    assert row["samples_lost"] == sum(len(r["sample_ids"]) for r in rewound) + in_flight
+
+    # In the end every step is kept once and every sample trained once.
+    assert sorted(final) == list(range(STEPS))
+    ids = [i for r in final.values() for i in r["sample_ids"]]
+    assert len(ids) == len(set(ids)) and row["samples"] == len(ids)
+    assert len(row["mttr_s"]) == 2
