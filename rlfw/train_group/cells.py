@@ -30,7 +30,7 @@ from rlfw.ft.lighthouse import Lighthouse, heartbeat_ages
 from rlfw.ft.membership import Membership
 from rlfw.train_group.placement import node_ip, node_of
 from rlfw.train_group.replacements import ReplacementPolicy
-from rlfw.train_group.world import World, get_all
+from rlfw.train_group.world import STORE_TIMEOUT_S, World, get_all
 
 log = logging.getLogger("rlfw.cells")
 HEARTBEAT_POLL_S = 0.5  # how often a call's pending cells' heartbeats are read from the Lighthouse
@@ -64,6 +64,8 @@ class Cell:
         self.state = CellState.PLACING
         self.node_id: Optional[str] = None  # the Ray node it was placed on, and that node's address
         self.node: Optional[str] = None
+        self.store_ref: Optional[ray.ObjectRef] = None  # rank 0's store address, once its process has started
+        self.placed_at = 0.0
         self.setup_refs: List[ray.ObjectRef] = []
         self.error: Optional[str] = None
         # Holds the job's trained state: true from the start for a cell that loads it (identical initial weights
@@ -72,13 +74,18 @@ class Cell:
 
     def poll(self) -> CellState:
         """PLACING -> ALLOCATED once Ray placed it (its actors are created then), ALLOCATED -> ALIVE once every rank
-        finished set-up; a failed set-up raises. Never blocks."""
+        finished set-up; a failed set-up raises. Never blocks: the driver goes on with the alive cells meanwhile."""
         if self.state is CellState.PLACING and ray.wait([self.placement], timeout=0)[0]:
             self.node_id = node_of(self.world.pg)
             self.node = node_ip(self.node_id)
-            self.setup_refs = self.world.start_actors()
+            self.store_ref, self.placed_at = self.world.create_actors(), time.monotonic()
             self.state = CellState.ALLOCATED
-        if self.state is CellState.ALLOCATED:
+        if self.state is CellState.ALLOCATED and not self.setup_refs:
+            if ray.wait([self.store_ref], timeout=0)[0]:
+                self.setup_refs = self.world.set_up(ray.get(self.store_ref))
+            elif time.monotonic() - self.placed_at > STORE_TIMEOUT_S:
+                raise TimeoutError(f"rank 0 of cell {self.id} did not start within {STORE_TIMEOUT_S:.0f} s")
+        if self.state is CellState.ALLOCATED and self.setup_refs:
             ready, _ = ray.wait(self.setup_refs, num_returns=len(self.setup_refs), timeout=0)
             if len(ready) == len(self.setup_refs):
                 self.replica_id = ray.get(self.setup_refs)[0]  # raises if a rank failed
@@ -183,7 +190,7 @@ class CellGroup:
         before = cell.state
         try:
             state = cell.poll()
-        except (RayActorError, RayTaskError) as e:
+        except (RayActorError, RayTaskError, TimeoutError) as e:
             self._fail(cell, f"set-up failed: {e}")
             return False
         if before is CellState.PLACING and state is not CellState.PLACING:

@@ -64,8 +64,8 @@ class World:
                                   bundle_label_selector=selector)
         return self.pg.ready()
 
-    def start_actors(self) -> List[ray.ObjectRef]:
-        """Once placed: create the actors; returns the refs of their set-up calls (await with ``get_all``)."""
+    def create_actors(self) -> ray.ObjectRef:
+        """Once placed: create the actors; returns the ref of rank 0's store address (its process starts first)."""
         cfg = OmegaConf.to_container(self.cfg, resolve=True)
         self.workers = [
             TrainerWorker.options(
@@ -76,8 +76,16 @@ class World:
                      self.load_from, self.heals)
             for rank in range(self.world_size)
         ]
-        store = get_all([self.workers[0].serve_store.remote()], timeout_s=STORE_TIMEOUT_S)[0]
-        return [w.setup.remote(store, self.sync_factory) for w in self.workers]
+        return self.workers[0].serve_store.remote()
+
+    def set_up(self, store_address) -> List[ray.ObjectRef]:
+        """Every rank joins the world at rank 0's store; returns the refs of their set-up calls."""
+        return [w.setup.remote(store_address, self.sync_factory) for w in self.workers]
+
+    def start_actors(self) -> List[ray.ObjectRef]:
+        """Create the actors and wait for rank 0's store; returns the set-up refs (await with ``get_all``)."""
+        store = get_all([self.create_actors()], timeout_s=STORE_TIMEOUT_S)[0]
+        return self.set_up(store)
 
     def launch(self, placement_timeout_s: float = 60.0) -> List[ray.ObjectRef]:
         """Place and create the actors, waiting at most ``placement_timeout_s`` for room; returns the set-up refs."""

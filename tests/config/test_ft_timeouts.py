@@ -29,7 +29,7 @@ def test_the_defaults_follow_the_rules_with_several_required_cells():
 def test_stall_and_phase_deadlines_have_their_own_keys():
     cfg = load("ft.stall_timeout_s=7", "ft.min_phase_timeout_s=90", "ft.phase_timeout_factor=3")
     assert (cfg.ft.stall_timeout_s, cfg.ft.min_phase_timeout_s, cfg.ft.phase_timeout_factor,
-            cfg.ft.heartbeat_timeout_s) == (7, 90, 3, 2)
+            cfg.ft.heartbeat_timeout_s) == (7, 90, 3, 1)
 
 
 @pytest.mark.parametrize("phase_min", [10.0, 15.0])
