@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
 from rlfw.cluster.address import node_address
 from rlfw.ft.cell_sync import CellSync
@@ -307,7 +307,7 @@ class CellGroup:
                  deadline_s: Optional[float] = None) -> Dict[int, Any]:
         """Run one call per cell; returns {cell id: leader's result} for the cells that finished.
 
-        A cell is failed when its call raises, its actor dies, its heartbeat stops for ft.stall_timeout_s, or the
+        A cell is failed when its call raises, its actor dies, its result is lost with its node, its heartbeat stops for ft.stall_timeout_s, or the
         call runs past ``deadline_s`` (default: the phase's measured deadline). A cell merely slower than its peers
         is waited for. An error of the job (``OSError``: the disk) stops the run: on a survivor it would recur.
         """
@@ -336,6 +336,9 @@ class CellGroup:
                         break
                     except RayActorError as e:
                         failed = str(e)
+                        break
+                    except ObjectLostError as e:  # answered, but its node was lost (cut off) before we fetched it
+                        failed = f"its result was lost with its node: {str(e).splitlines()[0]}"
                         break
                 if failed is not None:
                     del pending[cell_id]

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 import ray
 import torch.distributed as dist
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from rlfw.ft.agreement import verify_agreement
 from rlfw.ft.errors import WorldLostError
@@ -60,18 +60,27 @@ class ClassicSync:
 
 
 def ends_on_death(call):
-    """A dead rank ends the world's call with WorldLostError, naming the way on (``resume=auto``)."""
+    """A dead rank ends the world's call with WorldLostError, naming the way on (``resume=auto``). The first error
+    the driver sees may be a survivor's (its collective's peer closed the connection) rather than the dead actor's:
+    then the world is probed, and the survivor's error stands only when every rank is alive."""
+
+    def lost(name: str, cause: str) -> WorldLostError:
+        return WorldLostError(
+            f"a rank of the classic world died in {name} ({cause}): classic DP cannot go on without it; run the "
+            "same command with resume=auto to continue from the last checkpoint, or use dp=cells to survive it")
 
     @functools.wraps(call)
     def wrapped(self, *args, **kwargs):
         try:
             return call(self, *args, **kwargs)
         except RayActorError as e:
-            raise WorldLostError(
-                f"a rank of the classic world died in {call.__name__} ({str(e).splitlines()[0]}): classic DP cannot "
-                "go on without it; run the same command with resume=auto to continue from the last checkpoint, or "
-                "use dp=cells to survive it"
-            ) from e
+            raise lost(call.__name__, str(e).splitlines()[0]) from e
+        except RayTaskError as e:
+            dead = self.world.dead_ranks()
+            if not dead:
+                raise
+            raise lost(call.__name__, f"rank {', '.join(map(str, dead))} dead; a survivor saw "
+                                      f"{type(e.cause).__name__}: {str(e.cause).splitlines()[0][:200]}") from e
 
     return wrapped
 

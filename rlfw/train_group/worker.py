@@ -195,6 +195,10 @@ class TrainerWorker:
         """The cursor: the last minibatch this rank's group committed, and its optimizer steps."""
         return dict(self.cursor)
 
+    def pid(self) -> int:
+        """This rank's process id: what a fault (SIGKILL, SIGSTOP) from outside is sent to."""
+        return os.getpid()
+
     def weights_digest(self) -> str:
         """SHA-256 over every weight's bytes: equal digests mean bitwise-equal replicas."""
         digest = hashlib.sha256()

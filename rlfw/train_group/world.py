@@ -6,6 +6,7 @@ import time
 from typing import Any, List, Optional, Sequence
 
 import ray
+from ray.exceptions import RayActorError
 from omegaconf import OmegaConf
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -113,6 +114,25 @@ class World:
     def call_by_replica(self, method: str, args_per_replica: Sequence[tuple]) -> List[Any]:
         refs = [getattr(w, method).remote(*args_per_replica[rank // self.tp]) for rank, w in enumerate(self.workers)]
         return get_all(refs)[:: self.tp]
+
+    def dead_ranks(self, timeout_s: float = 30.0) -> List[int]:
+        """The ranks whose actor is dead, by asking each for its cursor: a dead actor's call fails as soon as Ray
+        knows of the death. Returns at the first dead rank found (ranks stuck in a collective behind it may never
+        answer), or an empty list when all answered or ``timeout_s`` passed."""
+        refs = {w.committed.remote(): rank for rank, w in enumerate(self.workers)}
+        deadline = time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            dead = []
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    dead.append(refs[ref])
+            if dead:
+                return dead
+        return []
 
     def shutdown(self, graceful: bool = True) -> None:
         if graceful and self.workers:
