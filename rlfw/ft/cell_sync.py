@@ -180,12 +180,13 @@ class CellSync:
     def _load_state_dict(self, state: Dict[str, Any]) -> None:
         self.worker.faults.maybe_fault("heal_receive", state["cursor"]["rl_step"])
         trainer = self.worker.trainer
-        trainer.model.module.load_state_dict(state["model"])
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
-        self.worker.cursor.update(state["cursor"])
+        with self.worker.state_lock:
+            trainer.model.module.load_state_dict(state["model"])
+            trainer.optimizer.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng"]["torch"])
+            np.random.set_state(state["rng"]["numpy"])
+            random.setstate(state["rng"]["python"])
+            self.worker.cursor.update(state["cursor"])
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

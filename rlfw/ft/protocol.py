@@ -8,6 +8,7 @@ implement GradSync; TrainerWorker and the protocol tests' model-free cells both 
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -60,6 +61,7 @@ class SyncHost(Protocol):
     cursor: Dict[str, int]  # the last committed rl_step and minibatch_index, optimizer_steps: sent in a heal
     incarnation: int  # 0 for the run's first cells, > 0 for replacements (and cells restored from a checkpoint)
     heals: bool  # it takes the trained state from a live peer (a replacement), not from the init or a checkpoint
+    state_lock: threading.Lock  # held while the weights and the cursor change together (a commit, a heal)
 
 
 def position(meta: Dict[str, Any]) -> Tuple[int, int]:
@@ -106,9 +108,10 @@ def train_call(
         if not ok:
             continue
         host.faults.maybe_fault("after_vote", step)
-        grad_norm = optimizer_step()
-        host.cursor.update(rl_step=step, minibatch_index=part.meta["minibatch_index"])
-        host.cursor["optimizer_steps"] += 1
+        with host.state_lock:  # a save from another thread sees the step whole or not at all
+            grad_norm = optimizer_step()
+            host.cursor.update(rl_step=step, minibatch_index=part.meta["minibatch_index"])
+            host.cursor["optimizer_steps"] += 1
         records.append({
             "minibatch_index": part.meta["minibatch_index"], "sample_ids": list(part.sample_ids),
             "participant_ids": participant_ids, "num_samples": len(part),

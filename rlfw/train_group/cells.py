@@ -98,9 +98,10 @@ class Cell:
         self.state = CellState.ERRORED
         self.world.shutdown(graceful=False)
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = True) -> None:
+        """``graceful``: ask its ranks to close their process groups first (not for a cell whose call never ends)."""
         if self.state in (CellState.ALIVE, CellState.ALLOCATED, CellState.PLACING):
-            self.world.shutdown(graceful=self.state is not CellState.PLACING)
+            self.world.shutdown(graceful=graceful and self.state is not CellState.PLACING)
         self.state = CellState.STOPPED
 
 
@@ -128,6 +129,7 @@ class CellGroup:
         self.lighthouse, self.lighthouse_address = start_lighthouse(cfg, role)
         self.membership = Membership(node_address(cfg.cluster))
         self.call: Optional[int] = None  # the membership id of the train call under way
+        self.stranded: set = set()  # cells left waiting in a quorum that cannot form (the job ends below min_cells)
         self.call_members: set = set()  # the cells counted in it
         self.slowest: Dict[str, float] = {}  # phase -> the slowest successful call so far (its deadline's base)
         self.cells: Dict[int, Cell] = {}
@@ -374,6 +376,7 @@ class CellGroup:
             return
         coming = self.replacements_coming()
         if not coming or time.monotonic() > started + self.cfg.ft.replacement_deadline_s:
+            self.stranded = set(pending)  # their actors still answer save and committed (their state group)
             raise BelowMinCellsError(
                 f"only {len(pending)} cells left in the step, below ft.min_cells={self.cfg.ft.min_cells}, and "
                 + ("no replacement can come (ft.replace_failed is off or the ft.max_replacements="
@@ -505,6 +508,6 @@ class CellGroup:
 
     def shutdown(self) -> None:
         for cell in self.cells.values():
-            cell.stop()
+            cell.stop(graceful=cell.id not in self.stranded)
         if self.lighthouse is not None:
             self.lighthouse.shutdown()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -48,11 +49,17 @@ def resolve_device(cfg) -> torch.device:
     return torch.device("cpu")
 
 
-@ray.remote
+# The state group runs beside the default one: a train call can be stuck in a quorum that will never form (a cell
+# left below ft.min_cells) and torchft's wait cannot be cut short, yet the driver must still read the cursor and
+# take the emergency save. ``state_lock`` keeps those readers off a commit or a heal half done.
+STATE_GROUP = "state"
+
+
+@ray.remote(concurrency_groups={STATE_GROUP: 1})
 class TrainerWorker:
     """Rank ``rank`` of a world of ``world_size`` ranks (a classic DP world, or one cell). ``role``: ``actor``
     trains the policy (``PolicyTrainer``), ``critic`` the PPO value model (``ValueTrainer``); both run the same
-    step protocol."""
+    step protocol. ``save``, ``committed`` and ``pid`` run in their own thread (``STATE_GROUP``)."""
 
     def __init__(
         self, cfg: Dict[str, Any], rank: int, world_size: int, vocab_size: int, cell: Optional[int] = None,
@@ -72,6 +79,8 @@ class TrainerWorker:
                                     fault_world)
         # The last minibatch this rank's group committed and how many optimizer steps (healed and saved with state).
         self.cursor = {"rl_step": -1, "minibatch_index": -1, "optimizer_steps": 0}
+        self.state_lock = threading.Lock()  # held while the weights and the cursor change together
+        self.device = torch.device("cpu")
         self.shape = model_shape(self.cfg, vocab_size)
         # This node's address under the cluster.host rule: the world's store and the torchft Manager bind it, and
         # Gloo (Megatron's group, torchft's) uses its interface.
@@ -94,7 +103,7 @@ class TrainerWorker:
 
         from rlfw.megatron.cpu_compat import apply_cpu_compat
 
-        device = resolve_device(self.cfg)
+        device = self.device = resolve_device(self.cfg)
         if device.type == "cpu":
             apply_cpu_compat()
         else:
@@ -184,17 +193,25 @@ class TrainerWorker:
         full = self.trainer.full_weights()
         return megatron_to_hf({k: v.detach().cpu().clone() for k, v in full.items()}, self.shape)
 
+    @ray.method(concurrency_group=STATE_GROUP)
     def save(self, path: str, step: int) -> None:
-        """Write this world's state into ``path`` (a collective over the world; the driver commits it)."""
+        """Write this world's state into ``path`` (a collective over the world; the driver commits it). Runs even
+        while a train call waits in a quorum: the weights and the cursor it writes are those of the last commit."""
         from rlfw.checkpoint.state import save_state
 
-        save_state(path, self.trainer, {"step": step, "cursor": dict(self.cursor)})
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        with self.state_lock:
+            save_state(path, self.trainer, {"step": step, "cursor": dict(self.cursor)})
         self.faults.maybe_fault("checkpoint_save", step - 1)  # written, not yet committed
 
+    @ray.method(concurrency_group=STATE_GROUP)
     def committed(self) -> Dict[str, int]:
         """The cursor: the last minibatch this rank's group committed, and its optimizer steps."""
-        return dict(self.cursor)
+        with self.state_lock:
+            return dict(self.cursor)
 
+    @ray.method(concurrency_group=STATE_GROUP)
     def pid(self) -> int:
         """This rank's process id: what a fault (SIGKILL, SIGSTOP) from outside is sent to."""
         return os.getpid()

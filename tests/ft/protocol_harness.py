@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import random
+import threading
 import time
 import traceback
 from types import SimpleNamespace
@@ -184,6 +185,7 @@ class Cell:
         fault = OmegaConf.structured(FaultConfig(**spec["fault"]))
         self.faults = FaultInjector(fault, spec["run_dir"], self.cell, self.rank, self.incarnation)
         self.cursor = {"rl_step": -1, "minibatch_index": -1, "optimizer_steps": 0}
+        self.state_lock = threading.Lock()
         self.trainer = TinyTrainer()
         seed = 1000 * self.incarnation + self.cell  # RNG streams differ per process: a heal must carry them
         torch.manual_seed(seed)
