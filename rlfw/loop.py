@@ -23,6 +23,7 @@ from rlfw.data.partition import strided_partition
 from rlfw.checkpoint.partial import PartialStep, read_partial
 from rlfw.checkpoint.resume import rewind_step_logs
 from rlfw.ft.errors import BelowMinCellsError, StateLostError
+from rlfw.ft.goodput import GoodputMeter
 
 
 class NothingToTrainError(RuntimeError):
@@ -226,28 +227,38 @@ def prepare_step(cfg, group, critic, manager, loggers, step: int, version: int) 
     return PartialStep(step, batch, metrics, rollout["examples"])
 
 
-def restore_last_state(cfg, group, critic, loggers, run_dir: Path, checkpointer, step: int, error: Exception):
+def log_events(loggers, meter: GoodputMeter, step: int, events, role: Optional[str] = None) -> None:
+    """Log a train group's events at step ``step``; a failure among them starts the meter's MTTR clock."""
+    for event in events:
+        if event["kind"] == "cell_failed":
+            meter.failure(event["detected_at"])
+        loggers.event(event.pop("kind"), step, **({"role": role} if role else {}), **event)
+
+
+def restore_last_state(cfg, group, critic, loggers, meter: GoodputMeter, run_dir: Path, checkpointer, step: int,
+                       error: Exception):
     """Every cell holding the trained state died in step ``step``: what a restarted job would do, in this one. The
     cells start afresh from the newest checkpoint (or the job's own start), the step logs of the steps to redo are
     rewound (as ``resume`` does), and the event ``state_restored`` says so. Returns (the step to go on from, the
     interrupted step that checkpoint holds, if it was taken inside one)."""
     point = checkpointer.last_state()
     to_step = point.step if point is not None else 0
-    failures = [(source, role) for source, role in ((group, {}), (critic, {"role": "critic"})) if source is not None]
-    drained = [(event, role) for source, role in failures for event in source.drain_events()]
+    sources = [(source, role) for source, role in ((group, None), (critic, "critic")) if source is not None]
+    drained = [(source.drain_events(), role) for source, role in sources]
     loggers.reopen_files()
     rewound = rewind_step_logs(run_dir, to_step)
-    for event, role in drained:  # the failures that led here, logged after the rewind: they stay in the record
-        loggers.event(event.pop("kind"), step, **role, **event)
-    for source, _ in failures:
+    meter.rewind(to_step)
+    for events, role in drained:  # the failures that led here, logged after the rewind: they stay in the record
+        log_events(loggers, meter, step, events, role)
+    for source, _ in sources:
         source.restore(str(point.path) if point is not None else None)
     loggers.event("state_restored", step, restored_step=to_step, reason=str(error)[:300],
                   checkpoint=str(point.path) if point is not None else None, rewound=rewound)
     return to_step, read_partial(point.path) if point is not None else None
 
 
-def train_step(cfg, group, critic, manager, loggers, ledger, checkpointer, current: PartialStep, t0: float,
-               started: float, version: int) -> Dict[str, float]:
+def train_step(cfg, group, critic, manager, loggers, meter: GoodputMeter, ledger, checkpointer, current: PartialStep,
+               t0: float, started: float, version: int) -> Dict[str, float]:
     """Train the prepared step ``current`` on every replica (the critic too), check that every sample trained
     exactly once, record it in the ledger, push the new weights (version ``version + 1``), log, checkpoint."""
     step = current.step
@@ -259,8 +270,7 @@ def train_step(cfg, group, critic, manager, loggers, ledger, checkpointer, curre
     if critic is not None:
         metrics.update(train_critic(cfg, critic, batch, minibatches, step, critic_record,
                                     current.done_sample_ids("critic", minibatches)))
-        for event in critic.drain_events():
-            loggers.event(event.pop("kind"), step, role="critic", **event)
+        log_events(loggers, meter, step, critic.drain_events(), "critic")
     t3 = time.perf_counter()
     trained = current.done_sample_ids("actor", minibatches) + trained_sample_ids(results)
     check_exactly_once(batch, trained)
@@ -275,10 +285,10 @@ def train_step(cfg, group, critic, manager, loggers, ledger, checkpointer, curre
                                            f"step {step}'s weight push")
     metrics.update(step_metrics(batch, results, group.metric_prefix))
     metrics.update(group.step_info())
-    for event in group.drain_events():
-        loggers.event(event.pop("kind"), step, **event)
+    log_events(loggers, meter, step, group.drain_events())
     metrics.update({"time/train": t3 - t2, "time/step": time.perf_counter() - t0,
                     "time/elapsed": time.time() - started})
+    metrics.update(meter.committed(step, metrics["time/step"], metrics["train/num_samples"]))
     skipped = skipped_steps(results)
     metrics.update(verdict(cfg.algo.on_nonfinite, step, skipped))
     for quantity, count in skipped.items():
@@ -293,12 +303,14 @@ def train_step(cfg, group, critic, manager, loggers, ledger, checkpointer, curre
 
 def run_loop(
     cfg, group, manager, loggers, run_dir: Path, checkpointer=None, started: Optional[float] = None,
-    start_step: int = 0, critic=None, resumed: Optional[PartialStep] = None,
+    start_step: int = 0, critic=None, resumed: Optional[PartialStep] = None, meter: Optional[GoodputMeter] = None,
 ) -> Dict[str, float]:
     """Steps ``start_step`` .. ``num_steps - 1`` (a resumed run starts past the steps its checkpoint holds).
     ``critic``: PPO's value-model group (None for critic-free estimators); the checkpointer saves it too.
-    ``resumed``: the step a save below ft.min_cells interrupted; it is finished first, on its saved batch."""
+    ``resumed``: the step a save below ft.min_cells interrupted; it is finished first, on its saved batch.
+    ``meter``: the run's goodput meter (a resumed run's holds the earlier jobs' kept steps)."""
     started = started if started is not None else time.time()
+    meter = meter if meter is not None else GoodputMeter(started)
     version = start_step  # the weight version counts committed RL steps
     wait_for(manager.update_weights.remote(group.export_weights(), version), cfg, "the first weight push")
     ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)  # per step: trained sample ids, weight digests
@@ -317,14 +329,15 @@ def run_loop(
                     current = prepare_step(cfg, group, critic, manager, loggers, step, version)
                     if current is None:
                         continue
-                metrics = train_step(cfg, group, critic, manager, loggers, ledger, checkpointer, current, t0,
-                                     started, version)
+                metrics = train_step(cfg, group, critic, manager, loggers, meter, ledger, checkpointer, current,
+                                     t0, started, version)
             except StateLostError as e:  # nobody holds the trained state: the last checkpoint does
                 if checkpointer is None or restores >= cfg.ft.max_state_restores:
                     raise
                 restores += 1
                 ledger.close()
-                next_step, resumed = restore_last_state(cfg, group, critic, loggers, run_dir, checkpointer, step, e)
+                next_step, resumed = restore_last_state(cfg, group, critic, loggers, meter, run_dir, checkpointer,
+                                                        step, e)
                 ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)
                 version = next_step
                 wait_for(manager.update_weights.remote(group.export_weights(), version), cfg,
@@ -334,9 +347,9 @@ def run_loop(
             current = None
             version += 1
     except BelowMinCellsError as e:
-        for source, role in ((group, {}), (critic, {"role": "critic"})):  # the failures that led here, logged
-            for event in source.drain_events() if source is not None else ():
-                loggers.event(event.pop("kind"), step, **role, **event)
+        for source, role in ((group, None), (critic, "critic")):  # the failures that led here, logged
+            if source is not None:
+                log_events(loggers, meter, step, source.drain_events(), role)
         if checkpointer is None:
             raise
         steps_done = step

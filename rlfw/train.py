@@ -57,6 +57,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     from rlfw.cluster.ray_cluster import start_ray, stop_ray
     from rlfw.ft.errors import UnfiredFaultError
     from rlfw.ft.faults import unfired_kills
+    from rlfw.ft.goodput import GoodputMeter, run_started
     from rlfw.logging import build_loggers
     from rlfw.loop import run_loop
     from rlfw.rollout.manager import RolloutManager, padded_vocab_size
@@ -85,7 +86,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         inside = " inside the step (its batch is saved)" if read_partial(resume.path) else ""
         log.info("resuming from %s at step %d%s%s", resume.path, resume.step, inside,
                  f" (rewound {rewound})" if rewound else "")
+    elif cfg.resume == "auto" and (rewound := rewind_step_logs(run_dir, 0)):  # a restart before the first save
+        log.info("resume=auto: the steps an earlier job logged before any checkpoint are redone (rewound %s)", rewound)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    restarting = resume is not None or cfg.resume == "auto"  # resume=auto: the run's earlier jobs count in its figures
+    meter = GoodputMeter.for_run(run_dir, run_started(run_dir, restarting, started), restarting)
 
     start_ray(cfg.cluster, known_warnings_log=str(known_warnings))
     log.info("known harmless start-up warnings (no Apex or Transformer Engine on this machine, etc.) go to %s",
@@ -114,7 +119,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             loggers.event("resumed", resume.step, checkpoint=str(resume.path), saved_layout=resume.meta["layout"])
         start_step = resume.step if resume else 0
         metrics = run_loop(cfg, group, manager, loggers, run_dir, checkpointer, started, start_step, critic=critic,
-                           resumed=read_partial(resume.path) if resume else None)
+                           resumed=read_partial(resume.path) if resume else None, meter=meter)
         missed = unfired_kills(cfg.fault, cfg.run_dir)
         if missed:
             raise UnfiredFaultError(

@@ -22,11 +22,13 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-RUN_FIGSIZE = (15.0, 12.0)  # inches; at DPI this is the PNG's size in pixels
+RUN_FIGSIZE = (15.0, 16.0)  # inches; at DPI this is the PNG's size in pixels
 SWEEP_FIGSIZE = (12.0, 6.0)
 DPI = 100
 # One marker per event kind on the timeline; kinds beyond the list cycle through it.
 EVENT_MARKERS = ("X", "o", "s", "^", "v", "D", "P", "*", "<", ">")
+# Events that mark a failure on the goodput panels: a cell lost, the state restored, a restarted job.
+FAILURE_KINDS = ("cell_failed", "state_restored", "resumed")
 
 
 @dataclass
@@ -42,8 +44,9 @@ class Panel:
 
 
 def run_figure(run: Run) -> tuple[Figure, list[Panel]]:
-    """Six panels: reward, loss, samples and tokens per replica, alive cells and quorum id, event timeline."""
-    fig, axes = plt.subplots(3, 2, figsize=RUN_FIGSIZE, dpi=DPI, layout="constrained")
+    """Eight panels: reward, loss, samples and tokens per replica, alive cells and quorum id, event timeline,
+    goodput and ETTR, and the MTTR of the last failure, the last two with the failures marked."""
+    fig, axes = plt.subplots(4, 2, figsize=RUN_FIGSIZE, dpi=DPI, layout="constrained")
     fig.suptitle(_run_title(run))
     panels = [
         _reward_panel(axes[0, 0], run),
@@ -52,6 +55,8 @@ def run_figure(run: Run) -> tuple[Figure, list[Panel]]:
         _replica_panel(axes[1, 1], run, "num_tokens", "Response tokens per replica"),
         _membership_panel(axes[2, 0], run),
         _timeline_panel(axes[2, 1], run),
+        _goodput_panel(axes[3, 0], run),
+        _failure_marked(axes[3, 1], run, _line_panel(axes[3, 1], run, "ft/mttr_last_s", "MTTR of the last failure")),
     ]
     for ax in axes.flat:
         ax.set_xlabel("step")
@@ -180,6 +185,39 @@ def _timeline_panel(ax: Axes, run: Run) -> Panel:
     ax.set_ylim(-0.5, len(kinds) - 0.5)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    return panel
+
+
+def _goodput_panel(ax: Axes, run: Run) -> Panel:
+    """Goodput (committed samples per wall second) and ETTR (0..1, its own axis), both over the whole run."""
+    panel = Panel("Goodput and ETTR")
+    ax.set_title(panel.title)
+    steps, goodput = run.series("ft/goodput")
+    ettr_steps, ettr = run.series("ft/ettr")
+    if not steps:
+        return _empty(ax, panel, "no ft/goodput in metrics.jsonl")
+    lines = ax.plot(steps, goodput, marker=".", color="tab:blue", label="ft/goodput")
+    ax.set_ylabel("samples / s")
+    ax.set_ylim(0, _finite_max(goodput) * 1.1 or 1)
+    panel.series.append("ft/goodput")
+    if ettr_steps:
+        twin = ax.twinx()
+        lines += twin.plot(ettr_steps, ettr, marker=".", color="tab:orange", label="ft/ettr")
+        twin.set_ylabel("ETTR")
+        twin.set_ylim(0, 1.05)
+        panel.series.append("ft/ettr")
+    ax.legend(handles=lines, loc="lower left", fontsize="small")
+    ax.grid(alpha=0.3)
+    return _failure_marked(ax, run, panel)
+
+
+def _failure_marked(ax: Axes, run: Run, panel: Panel) -> Panel:
+    """A dotted red line at every failure's step (``FAILURE_KINDS``), listed in the panel's series."""
+    steps = sorted({event["step"] for event in run.events if event["kind"] in FAILURE_KINDS})
+    for step in steps:
+        ax.axvline(step, color="tab:red", linestyle=":", alpha=0.7)
+    if steps:
+        panel.series.append(f"failures at steps {steps}")
     return panel
 
 

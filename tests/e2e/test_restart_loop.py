@@ -45,3 +45,15 @@ def test_two_restarts_are_accounted_for(tmp_path):
     ids = [i for r in final.values() for i in r["sample_ids"]]
     assert len(ids) == len(set(ids)) and row["samples"] == len(ids)
     assert len(row["mttr_s"]) == 2
+
+    # The run's own ft/* figures count every job: the final goodput is all kept samples over the wall time since
+    # the first job started (the supervisor's clock brackets it), and each restart's recovery has an MTTR.
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    started = json.loads((run_dir / "run_started.json").read_text())["started"]
+    assert log[0]["started"] <= started <= log[0]["ended"]
+    last = metrics[-1]
+    assert last["ft/goodput"] * (last["time/wall"] - started) == pytest.approx(len(ids))
+    assert last["ft/ettr"] * (last["time/wall"] - started) == pytest.approx(sum(r["time/step"] for r in metrics))
+    first_after_restart = [next(r for r in metrics if r["step"] == m["step"] - m["step"] % INTERVAL) for m in markers]
+    assert all(r["ft/mttr_last_s"] > 0 for r in first_after_restart)
+    assert "ft/mttr_last_s" not in metrics[0]

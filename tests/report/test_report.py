@@ -17,7 +17,7 @@ from rlfw.sweep import write_failure
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_PANELS = ["Reward (mean ± std)", "Loss", "Samples per replica", "Response tokens per replica",
-              "Alive cells and quorum id", "Events"]
+              "Alive cells and quorum id", "Events", "Goodput and ETTR", "MTTR of the last failure"]
 
 
 def write_run(run_dir: Path, rewards: list[float], mode: str = "cells", events=(), loss=None) -> Path:
@@ -38,7 +38,10 @@ def write_run(run_dir: Path, rewards: list[float], mode: str = "cells", events=(
             metrics[f"{prefix}/{replica}/num_samples"] = 32 // len(alive)
             metrics[f"{prefix}/{replica}/num_tokens"] = 100 // len(alive)
         if mode == "cells":
-            metrics.update({"cells/alive": len(alive), "ft/quorum_id": 1 if step < 2 else step, "ft/failures": 0})
+            metrics.update({"cells/alive": len(alive), "ft/quorum_id": 1 if step < 2 else step, "ft/failures": 0,
+                            "ft/goodput": 3.2, "ft/ettr": 0.9 if step < 2 else 0.8})
+            if step >= 2:
+                metrics["ft/mttr_last_s"] = 0.4
         logger.log(metrics, step)
     for kind, step, fields in events:
         logger.event(kind, step, **fields)
@@ -91,6 +94,8 @@ def test_cells_run_with_a_failure_and_a_heal(tmp_path):
     # one row per kind, in order of first occurrence
     assert shown["Events"]["series"] == ["quorum_change", "cell_failed", "cell_replacement_started", "resplit",
                                          "cell_joined", "heal"]
+    assert shown["Goodput and ETTR"]["series"] == ["ft/goodput", "ft/ettr", "failures at steps [2]"]
+    assert shown["MTTR of the last failure"]["series"] == ["ft/mttr_last_s", "failures at steps [2]"]
     assert all(panel["note"] is None for panel in shown.values())
     # the bars: at step 2 cell 1 is dead (it trained nothing there: 0) and cell 0 carries the whole batch
     run = load_run(run_dir)
@@ -110,6 +115,7 @@ def test_classic_run_without_events_has_an_empty_timeline(tmp_path):
                                "note": "no events recorded (events.jsonl is absent or empty)"}
     assert shown["Alive cells and quorum id"]["series"] == []
     assert "classic run" in shown["Alive cells and quorum id"]["note"]
+    assert shown["Goodput and ETTR"]["note"] == "no ft/goodput in metrics.jsonl"
     assert shown["Loss"]["note"] == "non-finite at steps [1]"  # written as "nan" by JsonlLogger, still shown
 
 
