@@ -111,8 +111,10 @@ def read_jsonl(path: Path) -> List[Dict]:
 
 
 def fault_markers(run_dir: Path) -> List[Dict]:
-    """The kills that fired (``<run_dir>/faults/kill_<i>``: who, when, at which step and phase), in time order."""
-    markers = [json.loads(p.read_text()) for p in (Path(run_dir) / "faults").glob("kill_*")]
+    """The faults that fired (``<run_dir>/faults/kill_<i>`` or ``random_*``: who, when, at which step and phase), in
+    time order."""
+    folder = Path(run_dir) / "faults"
+    markers = [json.loads(p.read_text()) for pattern in ("kill_*", "random_*") for p in folder.glob(pattern)]
     return sorted(markers, key=lambda m: m["time"])
 
 

@@ -3,7 +3,8 @@
 Nothing is raised and nothing is cleaned up: the other cells see exactly what they would see if the machine under
 this rank vanished (``signal=kill``) or froze (``signal=stop``: a GC pause, swapping, a stuck driver call). A
 scheduled fault fires once per run directory, whichever process reaches it first: the first to reach it creates a
-marker file there (an atomic O_EXCL create, recording who fired, when and at which step) and then acts; a job
+marker file there (an atomic O_EXCL create, recording who fired, when and at which step: ``kill_<i>`` for the
+i-th scheduled fault, ``random_<cell>_<incarnation>_<step>_<phase>`` for a random draw) and then acts; a job
 restarted in the same run directory (``resume=auto``) does not fire it again.
 
 A process cannot resume itself, so a stop comes from outside the cell: rank 0 starts ``rlfw.ft.stopper``, which
@@ -87,7 +88,8 @@ class FaultInjector:
             return
         if self.fault.kind == "random":
             draw = random.Random(f"{self.fault.seed}/{self.cell}/{self.incarnation}/{step}/{phase}").random()
-            if self.fault.phase in ("any", phase) and draw < self.fault.probability:
+            if self.fault.phase in ("any", phase) and draw < self.fault.probability and self._claim(
+                    f"random_{self.cell}_{self.incarnation}_{step}_{phase}", self.fault.signal, step, phase):
                 self._act(self.fault.signal, self.fault.duration_s)
             return
         for index, kill in enumerate(self.kills):
@@ -96,7 +98,7 @@ class FaultInjector:
                 and step >= kill["step"]
                 and kill["cell"] in (ANY, self.cell)
                 and kill["incarnation"] in (ANY, self.incarnation)
-                and self._claim(index, kill["signal"], step)
+                and self._claim(f"kill_{index}", kill["signal"], step, phase)
             ):
                 self._act(kill["signal"], kill["duration_s"])
 
@@ -124,14 +126,15 @@ class FaultInjector:
         )
         stopper.wait()  # this process is stopped too meanwhile; the stopper exits once it has sent SIGCONT
 
-    def _claim(self, index: int, how: str, step: int) -> bool:
+    def _claim(self, marker: str, how: str, step: int, phase: str) -> bool:
+        """Create the fault's marker (O_EXCL): True for the one process that fires it in this run directory."""
         self.marker_dir.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(self.marker_dir / f"kill_{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            fd = os.open(self.marker_dir / marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
         record = {"cell": self.cell, "incarnation": self.incarnation, "pid": os.getpid(), "time": time.time(),
-                  "signal": how, "step": step, "phase": self.kills[index]["phase"]}
+                  "signal": how, "step": step, "phase": phase}
         os.write(fd, (json.dumps(record) + "\n").encode())
         os.close(fd)
         return True

@@ -1,6 +1,7 @@
 """Fault injection kills for real (SIGKILL of the process that reaches the phase), at every phase in every
 configuration, and a scheduled kill that never fired is reported instead of passing for a successful fault test."""
 
+import json
 import multiprocessing
 import signal
 
@@ -63,3 +64,29 @@ def test_unfired_kills_are_listed(tmp_path):
                                                    "signal": "kill", "duration_s": 0.0}]
     assert unfired_kills(fault_cfg(kind="random", probability=0.5), str(tmp_path)) == []
     assert unfired_kills(fault_cfg(kind="none"), str(tmp_path)) == []
+
+
+def kill_at_random(run_dir: str) -> None:
+    from rlfw.ft.faults import FaultInjector
+
+    faults = FaultInjector(fault_cfg(kind="random", probability=1.0, phase="after_vote", seed=3), run_dir,
+                           cell=0, rank=0, incarnation=0)
+    faults.maybe_fault("before_forward", 4)  # another phase: no draw fires
+    faults.maybe_fault("after_vote", 4)
+
+
+def test_a_random_kill_leaves_its_marker_and_fires_once_per_run_directory(tmp_path):
+    """A restarted job draws the same kill at the same cell, incarnation, step and phase: the marker stops it from
+    firing again (else a restart loop under random faults would die at the same place for ever)."""
+    spawn = multiprocessing.get_context("spawn")
+    first = spawn.Process(target=kill_at_random, args=(str(tmp_path),))
+    first.start()
+    first.join(timeout=120)
+    assert first.exitcode == -signal.SIGKILL
+    marker = tmp_path / "faults" / "random_0_0_4_after_vote"
+    record = json.loads(marker.read_text())
+    assert (record["step"], record["phase"], record["signal"]) == (4, "after_vote", "kill")
+    again = spawn.Process(target=kill_at_random, args=(str(tmp_path),))
+    again.start()
+    again.join(timeout=120)
+    assert again.exitcode == 0
