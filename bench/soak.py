@@ -50,8 +50,9 @@ def draw_faults(steps: int, every: int, cells: int, seed: int) -> List[Dict]:
             faults.append({**base, "cell": -1, "phase": draw.choice(WRITER_PHASES), "signal": "kill"})
         elif kind in ("kill", "kill_healing"):
             faults.append({**base, "phase": draw.choice(CELL_PHASES), "signal": "kill"})
-            if kind == "kill_healing":  # the heal's step is the sender's last committed one: step - 1 or later
-                faults.append({**base, "step": step - 1, "phase": "heal_receive", "signal": "kill"})
+            if kind == "kill_healing":  # the next heal of any cell (a restore's fresh cells heal from none) from
+                # the sender's last committed step, step - 1
+                faults.append({**base, "cell": -1, "step": step - 1, "phase": "heal_receive", "signal": "kill"})
         else:
             faults.append({**base, "phase": "mid_forward_backward", "signal": "stop",
                            "duration_s": SHORT_STOP_S if kind == "short_stop" else LONG_STOP_S})
