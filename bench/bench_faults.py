@@ -79,10 +79,10 @@ def main() -> None:
         row = account(side, run_dir, supervise(run_dir, sides[side]))
         rows.append({"kills": schedule, "kill_steps": kills, "cells": args.cells, **row})
         print(f"{side}: {row['wall_s']:.0f} s, {row['restarts']} restarts", flush=True)
-    headers = ["side", "cells", "kills", "failures", "restarts", "goodput", "ettr", "ettr after start", "mttr median",
+    headers = ["side", "cells", "kills", "failures", "restarts", "goodput", "ettr", "ettr training", "mttr median",
                "mttr max", "samples lost", "steps recomputed", "wall s"]
     print(table(headers, [[r["side"], r["cells"], r["kills"], r["failures"], r["restarts"], r["goodput"], r["ettr"],
-                           r["ettr_after_start"],
+                           r["ettr_training"],
                            r["mttr_median_s"] if r["mttr_median_s"] is not None else "-",
                            r["mttr_max_s"] if r["mttr_max_s"] is not None else "-",
                            r["samples_lost"], r["steps_recomputed"], r["wall_s"]] for r in rows]))

@@ -148,9 +148,10 @@ def account(side: str, run_dir: Path, jobs: List[Job]) -> Dict:
     detect = [e["detected_at"] - m["time"] for m in markers for e in events
               if e["kind"] == "cell_failed" and e["cell"] == m["cell"] and e["incarnation"] == m["incarnation"]]
     heals = [e["heal_time"] for e in events if e["kind"] == "heal"]
-    # The first job's start-up (Ray, the actors, the first weight push) is paid once by every side, failure-free
-    # included; on a short run it dominates the wall clock, so ETTR is also given without it.
-    start_up_s = jobs[0].first_step_s - kept[0]["time/step"] if jobs[0].first_step_s is not None else 0.0
+    # The first job's start-up (Ray, the actors, the first weight push) and the last job's shutdown are paid once by
+    # every side, failure-free included; on a short run they dominate the wall clock, so ETTR is also given over
+    # the training window: from the first step's start to the last step's line (every restart inside it counts).
+    training_s = lines[-1] - (lines[0] - kept[0]["time/step"]) if lines else wall_s
     return {
         "side": side,
         "failures": len(markers),
@@ -160,7 +161,7 @@ def account(side: str, run_dir: Path, jobs: List[Job]) -> Dict:
         "wall_s": wall_s,
         "goodput": samples / wall_s,
         "ettr": sum(r["time/step"] for r in kept) / wall_s,
-        "ettr_after_start": sum(r["time/step"] for r in kept) / (wall_s - start_up_s),
+        "ettr_training": sum(r["time/step"] for r in kept) / training_s,
         "mttr_s": mttr,
         "mttr_median_s": statistics.median(mttr) if mttr else None,
         "mttr_max_s": max(mttr) if mttr else None,
