@@ -145,8 +145,12 @@ def account(side: str, run_dir: Path, jobs: List[Job]) -> Dict:
                  if not (after.resumed_inside and after.resumed_at == job.in_flight)]
     in_flight += [e["step"] for e in fallbacks]
     rollout_size = {r["step"]: r.get("rollout/num_samples", r["train/num_samples"]) for r in kept}
-    detect = [e["detected_at"] - m["time"] for m in markers for e in events
-              if e["kind"] == "cell_failed" and e["cell"] == m["cell"] and e["incarnation"] == m["incarnation"]]
+    detect = []
+    for marker in markers:  # a restarted job numbers its cells' incarnations afresh: the first detection after it
+        seen = [e["detected_at"] for e in events if e["kind"] == "cell_failed" and e["cell"] == marker["cell"]
+                and e["incarnation"] == marker["incarnation"] and e["detected_at"] >= marker["time"]]
+        if seen:
+            detect.append(min(seen) - marker["time"])
     heals = [e["heal_time"] for e in events if e["kind"] == "heal"]
     # The first job's start-up (Ray, the actors, the first weight push) and the last job's shutdown are paid once by
     # every side, failure-free included; on a short run they dominate the wall clock, so ETTR is also given over

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.gpu import attribution, checks, setup, steps
+from bench.gpu import attribution, checks, head, setup, steps
 from bench.gpu.data import packed_lengths, rollout_batch
 from bench.gpu.model import QWEN2_1P5B, TINY, matmul_rate, matmul_weights
 from bench.gpu.report import Results, log
@@ -31,7 +31,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096, help="the longest sequence and the base token budget")
     parser.add_argument("--budgets", default="8192,16384", help="larger token budgets per micro-batch to time")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--skip", default="", help="comma-separated: check,before,bare,profile")
+    parser.add_argument("--skip", default="", help="comma-separated: check,head,before,variants,bare,profile")
+    parser.add_argument("--head-tokens", default="8192,16384,32768,65536", help="token counts of the head's own rows")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
 
@@ -55,6 +56,11 @@ def main() -> None:
     setup.init_world(device)
     if "check" not in skip:
         checks.check_packed_attention(shape, device, results)
+        setup.free()
+    if "head" not in skip and not dry:
+        for row in head.measure([int(t) for t in args.head_tokens.split(",")], shape.hidden_size, shape.vocab_size,
+                                device):
+            log(f"head: {json.dumps(results.record(**row))}")
         setup.free()
 
     rng = random.Random(0)
@@ -88,6 +94,19 @@ def main() -> None:
     # Larger token budgets: the same sequences in fewer, longer rows.
     for budget in budgets[1:]:
         timed(f"rlfw step packed {budget}", rlfw(budget, "packed"), "packed", budget=budget)
+    # Without Megatron's fused SwiGLU (bias_activation_fusion, on by default on CUDA), and with full activation
+    # recompute (every layer's forward again in the backward): the config is read at every forward, so the same
+    # trainer runs each variant and is set back after it.
+    if "variants" not in skip and not dry:
+        config = trainer.config
+        config.bias_activation_fusion = False
+        timed(f"rlfw step packed {budgets[-1]}, unfused SwiGLU", rlfw(budgets[-1], "packed"), "packed",
+              budget=budgets[-1])
+        config.bias_activation_fusion = True
+        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
+        timed(f"rlfw step packed {budgets[-1]}, full recompute", rlfw(budgets[-1], "packed"), "packed",
+              budget=budgets[-1])
+        config.recompute_granularity = config.recompute_method = config.recompute_num_layers = None
     # Bare Megatron on the same rows, prebuilt on the device.
     setup.use_path(trainer, True)
     if "bare" not in skip:
@@ -118,6 +137,9 @@ def main() -> None:
             print(r["kind"], ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in r.items() if k != "kind"))
     print(results.table())
+    head_rows = [r for r in results.rows if r["kind"] == "head"]
+    if head_rows:
+        print(head.table(head_rows))
     results.write_summary()
     dist.destroy_process_group()
 

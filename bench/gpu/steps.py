@@ -48,10 +48,12 @@ def device_rows(batch, budget: int, device) -> list[MicroBatch]:
 def bare_step(trainer, rows: list[MicroBatch], device) -> dict:
     """Megatron's schedule and its own LM loss on ``rows`` (prebuilt on the device; the same ``PackedRow`` offsets
     reach the attention), Megatron DDP's grad sync and Megatron's optimizer step (the same fused Adam): no rlfw
-    packing, loss or finite check."""
+    packing, loss or finite check. Megatron's own output layer and cross-entropy: the [tokens, vocab] logits, as a
+    user of Megatron gets them (rlfw's chunked head is switched off for this step and back on after it)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rlfw.megatron.attention import packed_row
+    from rlfw.megatron.head import emit_hidden_states
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
@@ -71,7 +73,11 @@ def bare_step(trainer, rows: list[MicroBatch], device) -> dict:
             forward_only=False,
         )
 
-    return _phases(device, trainer.zero_grad, fwd_bwd, trainer.model.finish_grad_sync, trainer.optimizer.step)
+    emit_hidden_states(trainer.model.module, emit=False)
+    try:
+        return _phases(device, trainer.zero_grad, fwd_bwd, trainer.model.finish_grad_sync, trainer.optimizer.step)
+    finally:
+        emit_hidden_states(trainer.model.module)
 
 
 def repeat(fn, repeats: int) -> list[dict]:

@@ -42,30 +42,6 @@ def needs_reference(algo: AlgoConfig) -> bool:
     return algo.kl_loss_coef > 0 or algo.kl_reward_coef > 0
 
 
-def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
-    """Entropy of softmax(logits) over the full vocabulary, per token; ``logits`` [..., V / tp] is this rank's
-    vocabulary shard under tensor parallelism (``group``: the tensor-parallel group; None: one rank, whole vocab).
-
-    Like Megatron's vocab-parallel cross entropy, each rank reduces its shard and the partial sums are all-reduced
-    over the group. The all-reduce's backward is the identity (``reduce_from_tensor_model_parallel_region``): every
-    rank holds the same replicated entropy, and the gradient of each partial sum involves only this rank's logits.
-    """
-    sharded = group is not None and torch.distributed.get_world_size(group) > 1
-    logits = logits.float()
-    shift = logits.detach().max(dim=-1, keepdim=True).values
-    if sharded:  # any shift gives the same value; the global max keeps exp() in range on every rank
-        torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX, group=group)
-    shifted = logits - shift
-    exp = shifted.exp()
-    partials = torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)])  # sum e^l, sum e^l * l (shifted)
-    if sharded:
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-        partials = reduce_from_tensor_model_parallel_region(partials, group)
-    total, weighted = partials
-    return total.log() - weighted / total  # H = log Z - E_p[l]
-
-
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

@@ -158,6 +158,7 @@ class AlgoConfig:
     on_nonfinite: str = "stop"  # NaN/inf advantage, ratio, loss or gradient: stop (raise) | skip (the optimizer step)
     global_batch_size: int = 0  # samples per optimizer step; 0 = the whole rollout batch (one step per rollout)
     max_tokens_per_microbatch: int = 512  # token budget of one packed micro-batch; GPU runs: 16384 (BENCHMARKS.md)
+    head_chunk_tokens: int = 4096  # tokens per pass of the output head (rlfw.megatron.head; BENCHMARKS.md)
 
 
 @dataclass

@@ -128,6 +128,7 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
     _positive("algo.lr", cfg.algo.lr)
     _positive("algo.grad_clip", cfg.algo.grad_clip, allow_zero=True)
     _positive("algo.global_batch_size", cfg.algo.global_batch_size, allow_zero=True)
+    _positive("algo.head_chunk_tokens", cfg.algo.head_chunk_tokens)
     if cfg.algo.max_tokens_per_microbatch < cfg.model.max_seq_len:
         raise ConfigError(
             f"algo.max_tokens_per_microbatch={cfg.algo.max_tokens_per_microbatch} is below "

@@ -21,7 +21,7 @@ import torch
 from rlfw.data.batch import RolloutBatch
 from rlfw.megatron.model import ModelShape, build_gpt, takes_sequence_offsets, transformer_config
 from rlfw.megatron.packing import build_rows, microbatches, pack_by_token_budget
-from rlfw.megatron.policy import PolicyTrainer, row_logits, use_fused_adam
+from rlfw.megatron.policy import PolicyTrainer, row_output, use_fused_adam
 
 
 def value_loss(
@@ -159,7 +159,7 @@ class ValueTrainer:
         self.model.eval()
         for indices, mb in microbatches(batch, self.algo.max_tokens_per_microbatch, dense_mask=self.dense_mask):
             mb = mb.to(self.device)
-            values = row_logits(self.model, mb)[0]
+            values = row_output(self.model, mb)[0]
             for i, sl in zip(indices, mb.response_slices):
                 out[i] = values[sl].tolist()
         self.model.train()
@@ -192,7 +192,7 @@ class ValueTrainer:
             mb = next(data_iterator)
             if on_microbatch is not None:
                 on_microbatch(next(counter))
-            values = row_logits(model, mb)
+            values = row_output(model, mb)
 
             def loss_func(output):
                 loss, stats = value_loss(output, mb.old_values, mb.returns, mb.loss_weight, value_clip)

@@ -11,8 +11,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from rlfw.algo.losses import needs_reference, policy_loss, vocab_parallel_entropy
+from rlfw.algo.losses import needs_reference, policy_loss
 from rlfw.data.batch import RolloutBatch
+from rlfw.megatron.head import emit_hidden_states, head_logprobs, head_weight
 from rlfw.megatron.model import ModelShape, build_gpt, takes_sequence_offsets, transformer_config
 from rlfw.megatron.packing import MicroBatch, build_rows, microbatches, pack_by_token_budget
 
@@ -41,6 +42,7 @@ class PolicyTrainer:
         # On CPU there is no CUDA RNG to track: the inference tracker's fork() is a no-op (no dropout is used).
         tensor_parallel.model_parallel_cuda_manual_seed(init_seed, inference_rng_tracker=device.type == "cpu")
         module = build_gpt(shape, self.config, core_attention).to(device)
+        emit_hidden_states(module)  # the head runs chunked in the loss (``_head``), never as [tokens, vocab]
         # Packed rows reach SDPAttention as sequence offsets; only Megatron's own attention needs T x T masks.
         self.dense_mask = not takes_sequence_offsets(module)
         self.reference = None
@@ -48,6 +50,7 @@ class PolicyTrainer:
             # A second model loaded with the policy's weights: deepcopy cannot copy the process groups TP layers hold.
             self.reference = build_gpt(shape, self.config, core_attention).to(device)
             self.reference.load_state_dict(module.state_dict())
+            emit_hidden_states(self.reference)
             self.reference.eval().requires_grad_(False)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
@@ -70,26 +73,19 @@ class PolicyTrainer:
             use_fused_adam(self.optimizer)
 
     # ----------------------------------------------------------------------------------------------- log-probs
-    def _fp32_logits(self, output: torch.Tensor) -> torch.Tensor:
-        """The logits of softmax(output / T) in fp32, as a new tensor (vocab_parallel_cross_entropy overwrites its
-        input). From bf16 at T = 1 the upcast is that tensor: a division would add two passes (forward, backward)
-        over the fp32 logits, 10 GB each at 16k tokens and a 152k vocabulary."""
-        if output.dtype != torch.float32 and self.temperature == 1.0:
-            return output.float()
-        return output.float() / self.temperature
+    def _head(self, gpt, hidden: torch.Tensor, labels: torch.Tensor, entropy: bool = False):
+        """Log-probs (and entropy) of softmax(logits / T) from ``gpt``'s last hidden state, chunk by chunk
+        (``rlfw.megatron.head``): the [tokens, vocab] logits are never held."""
+        from megatron.core import parallel_state
 
-    def _token_logprobs(self, model, mb: MicroBatch) -> torch.Tensor:
-        from megatron.core import tensor_parallel
-
-        logits = row_logits(model, mb)  # [1, T, V / tp]
-        logits = self._fp32_logits(logits)
-        return -tensor_parallel.vocab_parallel_cross_entropy(logits, mb.labels)  # [1, T]
+        return head_logprobs(hidden, head_weight(gpt), labels, self.temperature, self.algo.head_chunk_tokens,
+                             parallel_state.get_tensor_model_parallel_group(), entropy)
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch) -> Dict[str, List[List[float]]]:
         """Per-sample response log-probs under the current policy (and the reference model, if any)."""
         out = {"old_logprobs": [None] * len(batch)}
-        models = [("old_logprobs", self.model)]
+        models = [("old_logprobs", self.model.module)]
         if self.reference is not None:
             out["ref_logprobs"] = [None] * len(batch)
             models.append(("ref_logprobs", self.reference))
@@ -97,7 +93,7 @@ class PolicyTrainer:
         for indices, mb in microbatches(batch, self.algo.max_tokens_per_microbatch, dense_mask=self.dense_mask):
             mb = mb.to(self.device)
             for key, model in models:
-                lp = self._token_logprobs(model, mb)[0]
+                lp = self._head(model, row_output(model, mb), mb.labels)[0][0]
                 for i, sl in zip(indices, mb.response_slices):
                     out[key][i] = lp[sl].tolist()
         self.model.train()
@@ -129,16 +125,10 @@ class PolicyTrainer:
             mb = next(data_iterator)
             if on_microbatch is not None:  # a hook between micro-batches (fault injection uses it)
                 on_microbatch(next(counter))
-            logits = row_logits(model, mb)
+            hidden = row_output(model, mb)
 
             def loss_func(output):
-                from megatron.core import parallel_state, tensor_parallel
-
-                logits = self._fp32_logits(output)
-                entropy = None  # computed first: vocab_parallel_cross_entropy overwrites its input
-                if algo.entropy_coef > 0:
-                    entropy = vocab_parallel_entropy(logits, parallel_state.get_tensor_model_parallel_group())
-                lp = -tensor_parallel.vocab_parallel_cross_entropy(logits, mb.labels)
+                lp, entropy = self._head(self.model.module, output, mb.labels, entropy=algo.entropy_coef > 0)
                 loss, stats = policy_loss(
                     lp, mb.old_logprobs, mb.advantages, mb.loss_weight, algo, mb.ref_logprobs, mb.rollout_logprobs,
                     entropy,
@@ -147,7 +137,7 @@ class PolicyTrainer:
                 # calculate_per_token_loss=True: Megatron uses this loss as is (it is globally normalised already).
                 return loss, torch.tensor(1, dtype=torch.int), stats
 
-            return logits, loss_func
+            return hidden, loss_func
 
         results = get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -216,8 +206,8 @@ class PolicyTrainer:
         return full
 
 
-def row_logits(model, mb: MicroBatch) -> torch.Tensor:
-    """The model's logits on one packed row: its sequence offsets go to the core attention as a ``PackedRow``, or,
+def row_output(model, mb: MicroBatch) -> torch.Tensor:
+    """The model's output on one packed row (the policy's last hidden states, the critic's values): its sequence offsets go to the core attention as a ``PackedRow``, or,
     for attention that takes no offsets, its dense block-diagonal mask."""
     if mb.attention_mask is not None:
         return model(mb.tokens, mb.position_ids, mb.attention_mask)

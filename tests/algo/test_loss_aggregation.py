@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from rlfw.algo.losses import LOSS_AGGREGATIONS, policy_loss, vocab_parallel_entropy
+from rlfw.algo.losses import LOSS_AGGREGATIONS, policy_loss
 from rlfw.config.schema import AlgoConfig
 from rlfw.data.batch import RolloutBatch, split_batch
 from rlfw.megatron.packing import microbatches
@@ -47,7 +47,7 @@ def loss_and_grad(policy: Bigram, part: RolloutBatch, algo: AlgoConfig, budget: 
         ref, rollout = (None if lp is None else lp[0] for lp in (mb.ref_logprobs, mb.rollout_logprobs))
         loss, _ = policy_loss(
             policy.logprobs(tokens, labels), mb.old_logprobs[0], mb.advantages[0], mb.loss_weight[0], algo,
-            ref, rollout, vocab_parallel_entropy(policy.logits(tokens)),
+            ref, rollout, torch.distributions.Categorical(logits=policy.logits(tokens)).entropy(),
         )
         loss.backward()
         total += loss.item()

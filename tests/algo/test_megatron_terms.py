@@ -1,6 +1,7 @@
 """The loss options inside the real Megatron trainer, in worlds of their own (spawned Gloo processes on loopback):
 
-- the vocab-parallel entropy under TP=2 equals the one-rank entropy, values and gradients;
+- the chunked output head under TP=2 (vocabulary-sharded weight) equals the whole vocabulary's unfused math:
+  log-probs, entropy, and the gradients of the hidden state and of each weight shard;
 - a TP=2 trainer step with every loss term on computes the loss, its terms and the gradient norm of TP=1;
 - a non-finite ratio skips the optimizer step (gradients NaN, weights untouched), a finite one does not;
 - the frozen reference model exists exactly when a KL term (loss or reward) needs it.
@@ -81,27 +82,32 @@ def trainer_for(algo: AlgoConfig, tp: int):
     return PolicyTrainer(SHAPE, algo, tp=tp, temperature=0.8, device=torch.device("cpu"), init_seed=0)
 
 
-def full_logits(rows: int = 7) -> torch.Tensor:
-    return torch.randn(rows, SHAPE.vocab_size, generator=torch.Generator().manual_seed(5)) * 3.0
+def head_inputs(rows: int = 7):
+    """Hidden states, the whole output weight and labels for the head under TP (hidden 6, the 16-token vocab)."""
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(rows, 6, generator=g), torch.randn(SHAPE.vocab_size, 6, generator=g),
+            torch.randint(0, SHAPE.vocab_size, (rows,), generator=g))
 
 
 # ----------------------------------------------------------------------------------------------- rank entries
 def _tp2_rank(rank: int, world_size: int, store_port: int, outs: list) -> None:
     from megatron.core import parallel_state
 
-    from rlfw.algo.losses import vocab_parallel_entropy
+    from rlfw.megatron.head import head_logprobs
 
     init_world(rank, world_size, world_size, store_port)
-    shard_width = SHAPE.vocab_size // world_size
-    shard = full_logits()[:, rank * shard_width:(rank + 1) * shard_width].clone().requires_grad_(True)
-    weights = torch.arange(1.0, 8.0)
-    entropy = vocab_parallel_entropy(shard, parallel_state.get_tensor_model_parallel_group())
-    (entropy * weights).sum().backward()
+    hidden, weight, labels = head_inputs()
+    rows = SHAPE.vocab_size // world_size
+    hidden = hidden.requires_grad_(True)
+    shard = weight[rank * rows:(rank + 1) * rows].clone().requires_grad_(True)
+    lp, entropy = head_logprobs(hidden, shard, labels, 0.8, chunk_tokens=3,
+                                group=parallel_state.get_tensor_model_parallel_group(), entropy=True)
+    ((lp * torch.arange(1.0, 8.0)).sum() + (entropy * torch.arange(7.0, 0.0, -1)).sum()).backward()
     trainer = trainer_for(EVERY_TERM, tp=world_size)
     trainer.zero_grad()
     sums = trainer.forward_backward(rollout(trainer))
-    torch.save({"entropy": entropy.detach(), "shard_grad": shard.grad, "sums": sums,
-                "grad_norm": trainer.optimizer_step()}, outs[rank])
+    torch.save({"logprobs": lp.detach(), "entropy": entropy.detach(), "hidden_grad": hidden.grad,
+                "shard_grad": shard.grad, "sums": sums, "grad_norm": trainer.optimizer_step()}, outs[rank])
 
 
 def _one_rank(rank: int, world_size: int, store_port: int, outs: list) -> None:
@@ -147,16 +153,18 @@ def tp2(tmp_path_factory):
     return spawn(_tp2_rank, 2, tmp_path_factory.mktemp("tp2"))
 
 
-def test_vocab_parallel_entropy_under_tp2_equals_the_full_vocabulary(tp2):
-    logits = full_logits().requires_grad_(True)
-    p = torch.softmax(logits, dim=-1)
-    entropy = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)
-    (entropy * torch.arange(1.0, 8.0)).sum().backward()
-    for rank in tp2:  # every rank holds the whole (replicated) entropy
+def test_chunked_head_under_tp2_equals_the_whole_vocabulary(tp2):
+    hidden, weight, labels = head_inputs()
+    hidden, weight = hidden.requires_grad_(True), weight.requires_grad_(True)
+    logp = torch.log_softmax(hidden @ weight.t() / 0.8, dim=-1)
+    lp, entropy = logp.gather(-1, labels[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+    ((lp * torch.arange(1.0, 8.0)).sum() + (entropy * torch.arange(7.0, 0.0, -1)).sum()).backward()
+    for rank in tp2:  # every rank holds the whole (replicated) log-probs, entropy and hidden-state gradient
+        torch.testing.assert_close(rank["logprobs"], lp.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(rank["entropy"], entropy.detach(), rtol=1e-5, atol=1e-6)
-    # and the gradient of each vocabulary shard
-    torch.testing.assert_close(torch.cat([rank["shard_grad"] for rank in tp2], dim=-1), logits.grad,
-                               rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rank["hidden_grad"], hidden.grad, rtol=1e-5, atol=1e-5)
+    # and the gradient of each vocabulary shard of the weight
+    torch.testing.assert_close(torch.cat([rank["shard_grad"] for rank in tp2]), weight.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_trainer_step_with_every_term_is_the_same_under_tp2(tp2, one_rank):

@@ -19,7 +19,8 @@ SHAPE = ModelShape(
     max_seq_len=32,
 )
 NUM_SAMPLES = 13
-RTOL, ATOL = 1e-5, 1e-7
+# fp32 round-off of sums taken in another order (other packings, other splits); sample_mean gradients are O(1)
+RTOL, ATOL = 1e-5, 5e-7
 
 
 @pytest.fixture(scope="module")
