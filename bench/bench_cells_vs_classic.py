@@ -1,9 +1,15 @@
 """Step time of dp=cells against dp=classic on the same data, side by side, as a ratio, and where it goes.
 
     .venv/bin/python bench/bench_cells_vs_classic.py [--steps 30]
+    python3 bench/bench_cells_vs_classic.py --gpu [--steps 12]     # on one CUDA device
 
 Both modes train the same model on the same rollouts (same seed), 2 replicas each. The train phase (log-probs
 excluded) is compared: median over steps after a warm-up.
+
+``--gpu``: one GPU, so classic is one replica (DP=1) with the whole batch, and cells are two one-rank cells sharing
+the device (``cluster.gpus_per_worker=0.5``), each its own NCCL world, their gradients summed across cells through
+torchft's Gloo group (staged on the host: NCCL cannot join two processes on one GPU). The all-reduce + vote column
+is that transport's share of a step.
 """
 
 from __future__ import annotations
@@ -21,6 +27,12 @@ MODELS = {
 }
 
 
+GPU_MODELS = {  # bf16 on the device; the built-in task's short sequences, its small vocabulary
+    "gpu 12x1024": ["model.num_layers=12", "model.hidden_size=1024", "model.ffn_hidden_size=4096",
+                    "model.num_attention_heads=16", "model.num_query_groups=4"],
+}
+
+
 def median(rows, key, warmup=3):
     values = [r[key] for r in rows[warmup:] if key in r]
     return statistics.median(values) if values else float("nan")
@@ -29,12 +41,18 @@ def median(rows, key, warmup=3):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--gpu", action="store_true", help="one CUDA device: DP=1 classic vs 2 cells sharing it")
     args = parser.parse_args()
     results, out = [], {}
-    for model, overrides in MODELS.items():
+    models = GPU_MODELS if args.gpu else MODELS
+    for model, overrides in models.items():
         common = [f"num_steps={args.steps}", "logger=jsonl", "checkpoint.save_final=false", *overrides]
-        classic = run_training(f"speed_{model}_classic", ["dp=classic", "dp.size=2", *common])["rows"]
-        cells = run_training(f"speed_{model}_cells", ["dp=cells", "dp.num_cells=2", *common])["rows"]
+        classic_dp, cells_dp = ["dp=classic", "dp.size=2"], ["dp=cells", "dp.num_cells=2"]
+        if args.gpu:
+            common.append("cluster.device=cuda")
+            classic_dp, cells_dp = ["dp=classic", "dp.size=1"], [*cells_dp, "cluster.gpus_per_worker=0.5"]
+        classic = run_training(f"speed_{model.replace(' ', '_')}_classic", [*classic_dp, *common])["rows"]
+        cells = run_training(f"speed_{model.replace(' ', '_')}_cells", [*cells_dp, *common])["rows"]
         t_classic, t_cells = median(classic, "time/train"), median(cells, "time/train")
         row = {
             "model": model,
@@ -46,13 +64,16 @@ def main() -> None:
             "cells allreduce+vote s": median(cells, "train/time/reduce_and_vote"),
             "classic fwd/bwd s": median(classic, "train/time/forward_backward"),
             "classic allreduce s": median(classic, "train/time/reduce_and_vote"),
+            "tokens/step": median(cells, "train/num_tokens"),
             "same losses": all(abs(a["loss"] - b["loss"]) <= 1e-6 * max(1.0, abs(a["loss"]))
                                for a, b in zip(classic, cells)),
         }
+        if args.gpu:  # bf16, and another summation order: equal up to rounding, not bitwise
+            row["max loss diff"] = max(abs(a["loss"] - b["loss"]) for a, b in zip(classic, cells))
         results.append(list(row.values()))
         out[model] = row
-    print(table(list(out["tiny"]), results))
-    (OUT / "cells_vs_classic.json").write_text(json.dumps(out, indent=1))
+    print(table(list(next(iter(out.values()))), results))
+    (OUT / ("cells_vs_classic_gpu.json" if args.gpu else "cells_vs_classic.json")).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

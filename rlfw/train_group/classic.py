@@ -48,9 +48,10 @@ class ClassicSync:
         group = self.ps.get_data_parallel_group()
         ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
-        def allreduce(tensor, op):
-            dist.all_reduce(tensor, op=ops[op], group=group)
-            return tensor
+        def allreduce(tensor, op):  # on the world's device: an NCCL world has no CPU backend
+            on_device = tensor.to(self.worker.device)
+            dist.all_reduce(on_device, op=ops[op], group=group)
+            return on_device.cpu()
 
         verify_agreement(part, self.ps.get_data_parallel_world_size(), allreduce)
         return True, {}
