@@ -104,15 +104,17 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     group = critic = manager = None
     exit_code = 1
     try:
+        # Orchestration stays with the driver (on its node, like the Lighthouse): a lost trainer node must not take
+        # the rollout manager with it; the engines go where rollout.engine_label_selector says. Created first: the
+        # manager and its engines start while the train group builds its worlds (nothing of one needs the other
+        # before the first weight push).
+        manager = RolloutManager.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)).remote(OmegaConf.to_container(cfg, resolve=True),
+                                                                          shape)
         load_from = str(resume.path) if resume is not None else None
         group = build_group(cfg, vocab_size, load_from=load_from)
         if cfg.algo.name == "ppo":
             critic = build_group(cfg, vocab_size, role="critic", load_from=load_from)
-        # Orchestration stays with the driver (on its node, like the Lighthouse): a lost trainer node must not take
-        # the rollout manager with it; the engines go where rollout.engine_label_selector says.
-        manager = RolloutManager.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=False)).remote(OmegaConf.to_container(cfg, resolve=True),
-                                                                          shape)
         checkpointer = Checkpointer(cfg, group, run_dir, shape, run_info=lambda: {"wandb_run_id": loggers.run_id},
                                     critic=critic, origin=resume)
         if resume is not None:
@@ -131,7 +133,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     finally:
         loggers.finish(exit_code)
         if manager is not None:
-            ray.get(manager.shutdown.remote())
+            try:  # a manager whose start failed must not hide the error that ends the run
+                ray.get(manager.shutdown.remote(), timeout=cfg.rollout.step_timeout_s)
+            except Exception as e:  # noqa: BLE001
+                log.warning("the rollout manager did not shut down cleanly: %r", e)
         if group is not None:
             group.shutdown()
         if critic is not None:

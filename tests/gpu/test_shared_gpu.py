@@ -91,3 +91,21 @@ def test_cells_on_one_gpu_kill_and_heal(tmp_path):
     assert gap < 0.1 * one_step
     # the negative control: the kill run one optimizer step short (its own step-3 weights) is rejected by the bound
     assert l2(checkpoint_model(run_dir, STEPS - 1), expected) >= 0.1 * one_step
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_classic_on_one_gpu_trains_like_one_cell(tmp_path):
+    """dp=classic on CUDA is an NCCL world, whose groups have no CPU backend: its per-step agreement check once
+    all-reduced a CPU tensor there and the first step died. One classic replica and one cell on the same device do
+    the same arithmetic (a sum over one replica is the identity, whichever transport carries it): the same samples
+    trained, and the weights bitwise equal after every step."""
+    from harness import checkpoint_model, max_abs_diff, read_jsonl, run_rlfw
+
+    common = ["cluster.device=cuda", f"num_steps={STEPS}", "rollout.num_prompts=4", "checkpoint.interval=1"]
+    classic = run_rlfw(tmp_path / "classic", "dp=classic", "dp.size=1", *common)
+    cell = run_rlfw(tmp_path / "cell", "dp=cells", "dp.num_cells=1", *common)
+    assert [e["sample_ids"] for e in read_jsonl(classic / "ledger.jsonl")] == \
+        [e["sample_ids"] for e in read_jsonl(cell / "ledger.jsonl")]
+    for step in range(1, STEPS + 1):
+        assert max_abs_diff(checkpoint_model(classic, step), checkpoint_model(cell, step)) == 0.0, step
