@@ -57,7 +57,7 @@ def head_weight(gpt) -> torch.Tensor:
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
-                  chunk_tokens: int = 1024, group=None, entropy: bool = False):
+                  chunk_tokens: int = 4096, group=None, entropy: bool = False):
     """log softmax(hidden @ weight.T / temperature)[label] per token, and (``entropy``) the full-vocabulary
     entropy of that softmax; ``(logprobs, entropy or None)``, fp32, of ``labels``' shape.
 
