@@ -207,8 +207,9 @@ class PolicyTrainer:
 
 
 def row_output(model, mb: MicroBatch) -> torch.Tensor:
-    """The model's output on one packed row (the policy's last hidden states, the critic's values): its sequence offsets go to the core attention as a ``PackedRow``, or,
-    for attention that takes no offsets, its dense block-diagonal mask."""
+    """The model's output on one packed row (the policy's last hidden states, the critic's values): its sequence
+    offsets go to the core attention as a ``PackedRow``, or, for attention that takes no offsets, its dense
+    block-diagonal mask."""
     if mb.attention_mask is not None:
         return model(mb.tokens, mb.position_ids, mb.attention_mask)
     from rlfw.megatron.attention import packed_row
