@@ -1,6 +1,8 @@
 """The RL loop: generate -> log-probs -> split -> train -> sync weights -> log -> checkpoint.
 
 Everything here runs in the driver; the heavy lifting happens in the rollout manager and the train group's actors.
+``loop=async`` differs in one place: the rollout queue asks for the next ``loop.max_staleness`` steps' rollouts
+before the current step trains, so they are generated meanwhile (``rlfw.rollout.queue`` says how the bound holds).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rlfw.checkpoint.partial import PartialStep, read_partial
 from rlfw.checkpoint.resume import rewind_step_logs
 from rlfw.ft.errors import BelowMinCellsError, StateLostError
 from rlfw.ft.goodput import GoodputMeter
+from rlfw.rollout.queue import RolloutQueue, staleness
 
 
 class NothingToTrainError(RuntimeError):
@@ -193,12 +196,20 @@ def verify_replicas_equal(group, step: int) -> Dict[str, str]:
     return {str(k): v for k, v in digests.items()}
 
 
-def prepare_step(cfg, group, critic, manager, loggers, step: int, version: int) -> Optional[PartialStep]:
-    """Generate step ``step``'s rollout, attach the trainers' log-probs (and the critic's values) and the advantages:
-    the step as it will train (nothing committed yet), or None when the step is skipped (logged)."""
-    rollout = wait_for(manager.generate.remote(step, version), cfg, f"step {step}'s rollout")
+def max_staleness(cfg) -> int:
+    """How many policy versions a sample may lag behind the weights that train on it (0: the synchronous loop)."""
+    return cfg.loop.max_staleness if cfg.loop.mode == "async" else 0
+
+
+def prepare_step(cfg, group, critic, queue: RolloutQueue, loggers, step: int, version: int) -> Optional[PartialStep]:
+    """Take step ``step``'s rollout, attach the trainers' log-probs (and the critic's values) and the advantages:
+    the step as it will train (nothing committed yet), or None when the step is skipped (logged). The trainers hold
+    version ``version``: their log-probs are the proximal policy's, the engines' (``rollout_logprobs``) the
+    behaviour policy's (``algo.tis_cap`` weighs one against the other)."""
+    rollout = queue.take(step)
     batch: RolloutBatch = rollout["batch"]
     metrics = dict(rollout["stats"])
+    metrics.update(staleness(batch.samples["rollout_versions"], version, max_staleness(cfg)))
     if len(batch) == 0:
         cause = nothing_to_train(cfg, metrics, step)
         if cause is not None:
@@ -257,8 +268,8 @@ def restore_last_state(cfg, group, critic, loggers, meter: GoodputMeter, run_dir
     return to_step, read_partial(point.path) if point is not None else None
 
 
-def train_step(cfg, group, critic, manager, loggers, meter: GoodputMeter, ledger, checkpointer, current: PartialStep,
-               t0: float, started: float, version: int) -> Dict[str, float]:
+def train_step(cfg, group, critic, manager, queue: RolloutQueue, loggers, meter: GoodputMeter, ledger, checkpointer,
+               current: PartialStep, t0: float, started: float, version: int) -> Dict[str, float]:
     """Train the prepared step ``current`` on every replica (the critic too), check that every sample trained
     exactly once, record it in the ledger, push the new weights (version ``version + 1``), log, checkpoint."""
     step = current.step
@@ -288,6 +299,8 @@ def train_step(cfg, group, critic, manager, loggers, meter: GoodputMeter, ledger
     log_events(loggers, meter, step, group.drain_events())
     metrics.update({"time/train": t3 - t2, "time/step": time.perf_counter() - t0,
                     "time/elapsed": time.time() - started})
+    metrics.update(queue.utilisation(metrics.get("time/logprobs", 0.0) + metrics["time/train"],
+                                     int(metrics.get("rollout/engines_alive", 1))))
     metrics.update(meter.committed(step, metrics["time/step"], metrics["train/num_samples"]))
     skipped = skipped_steps(results)
     metrics.update(verdict(cfg.algo.on_nonfinite, step, skipped))
@@ -313,6 +326,7 @@ def run_loop(
     meter = meter if meter is not None else GoodputMeter(started)
     version = start_step  # the weight version counts committed RL steps
     wait_for(manager.update_weights.remote(group.export_weights(), version), cfg, "the first weight push")
+    queue = RolloutQueue(manager, max_staleness(cfg), cfg.num_steps, cfg.rollout.step_timeout_s)
     ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)  # per step: trained sample ids, weight digests
     loggers.table("algo", ["option", "value"], algo_options(cfg.algo), start_step)  # the combination in use
     metrics: Dict[str, float] = {}
@@ -326,15 +340,17 @@ def run_loop(
                 if resumed is not None and resumed.step == step:
                     current = resumed
                 else:
-                    current = prepare_step(cfg, group, critic, manager, loggers, step, version)
+                    queue.fill(step, version)  # this step's rollout, and the next ones' in loop=async
+                    current = prepare_step(cfg, group, critic, queue, loggers, step, version)
                     if current is None:
                         continue
-                metrics = train_step(cfg, group, critic, manager, loggers, meter, ledger, checkpointer, current,
-                                     t0, started, version)
+                metrics = train_step(cfg, group, critic, manager, queue, loggers, meter, ledger, checkpointer,
+                                     current, t0, started, version)
             except StateLostError as e:  # nobody holds the trained state: the last checkpoint does
                 if checkpointer is None or restores >= cfg.ft.max_state_restores:
                     raise
                 restores += 1
+                queue.drain()  # rollouts asked for from newer weights than those restored
                 ledger.close()
                 next_step, resumed = restore_last_state(cfg, group, critic, loggers, meter, run_dir, checkpointer,
                                                         step, e)

@@ -223,6 +223,13 @@ class CheckpointConfig:
 
 
 @dataclass
+class LoopConfig:
+    mode: str = MISSING  # sync | async (rollouts of the next steps generated while the current one trains)
+    # async: policy versions a sample's oldest token may lag behind the weights that train on it (0 = sync, exactly)
+    max_staleness: int = 0
+
+
+@dataclass
 class LoggerConfig:
     backends: List[str] = field(default_factory=lambda: ["jsonl", "console", "wandb"])
     wandb_project: str = "rlfw"
@@ -249,6 +256,7 @@ class RLConfig:
     ft: FTConfig = field(default_factory=FTConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
 
 
 def register_configs() -> None:

@@ -136,6 +136,11 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
         )
 
     _positive("num_steps", cfg.num_steps)
+    _choice("loop.mode", cfg.loop.mode, {"sync", "async"})
+    _positive("loop.max_staleness", cfg.loop.max_staleness, allow_zero=True)
+    if cfg.loop.mode == "sync" and cfg.loop.max_staleness:
+        raise ConfigError(f"loop.max_staleness={cfg.loop.max_staleness} needs loop=async: the synchronous loop trains "
+                          "every step on a rollout of its own weights")
     _positive("cluster.cpus_per_worker", cfg.cluster.cpus_per_worker)
     _choice("cluster.device", cfg.cluster.device, {"auto", "cpu", "cuda"})
     _choice("cluster.cell_placement", cfg.cluster.cell_placement, {"spread", "pack"})

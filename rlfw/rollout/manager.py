@@ -62,7 +62,10 @@ class _Group:
     first_position: int
 
 
-@ray.remote(num_cpus=0)  # orchestration only: the engines hold the CPU share
+# Orchestration only: the engines hold the CPU share. Two concurrency groups, one thread each: a weight push runs
+# beside a generate call (the asynchronous loop trains on one step's rollout while the next one is generated, and
+# pushes the new weights into that generation); calls of one group still run one at a time, in order.
+@ray.remote(num_cpus=0, concurrency_groups={"rollout": 1, "weights": 1})
 class RolloutManager:
     def __init__(self, cfg: dict[str, Any], shape: ModelShape):
         import torch
@@ -80,6 +83,7 @@ class RolloutManager:
             call_timeout_s=rollout.engine_call_timeout_s,
         )
 
+    @ray.method(concurrency_group="weights")
     def update_weights(self, hf_state, version: int) -> float:
         """Push new policy weights to every engine; returns the seconds it took."""
         t0 = time.perf_counter()
@@ -90,12 +94,18 @@ class RolloutManager:
         """Every engine's health answer (weight version, pid, ...); dead or unresponsive engines are replaced."""
         return self.pool.health(HEALTH_TIMEOUT_S)
 
-    def generate(self, step: int, expected_version: int) -> dict[str, Any]:
-        """One rollout batch for RL step ``step``; the same step and seed give the same prompts and responses."""
-        if self.pool.weight_version != expected_version:
-            raise RuntimeError(
-                f"engines hold weights v{self.pool.weight_version} but step {step} needs v{expected_version}"
-            )
+    def busy_seconds(self) -> float:
+        """Engine seconds spent generating so far (the busy fraction's numerator)."""
+        return self.pool.busy_seconds()
+
+    @ray.method(concurrency_group="rollout")
+    def generate(self, step: int, min_version: int) -> dict[str, Any]:
+        """One rollout batch for RL step ``step``, every token from weights of version ``min_version`` or newer
+        (the synchronous loop's weights do not change during the call); the same step, seed and weights give the
+        same prompts and responses."""
+        version = self.pool.weight_version
+        if version is None or version < min_version:
+            raise RuntimeError(f"engines hold weights v{version} but step {step} needs v{min_version} or newer")
         self.pool.health(HEALTH_TIMEOUT_S)  # a dead or hung engine is replaced before the step's requests go out
         cfg = self.cfg.rollout
         rng = np.random.default_rng([self.cfg.seed, step])
@@ -109,7 +119,8 @@ class RolloutManager:
             prompts = self.task.sample_prompts(num, rng)
             counts["sampled"] += num
             counts["rounds"] += 1
-            groups, generated = self._generate_groups(prompts, position, [self.cfg.seed, step, round_index], counts)
+            groups, generated = self._generate_groups(prompts, position, [self.cfg.seed, step, round_index], counts,
+                                                      min_version)
             position += generated
             if cfg.dynamic_sampling:
                 with_signal = [g for g in groups if np.ptp(g.rewards) > 0]
@@ -136,7 +147,8 @@ class RolloutManager:
         return min(num_prompts, math.ceil((num_prompts - kept) * sampled / kept))
 
     def _generate_groups(
-        self, prompts: list[Prompt], first_position: int, seed_key: list[int], counts: dict[str, int]
+        self, prompts: list[Prompt], first_position: int, seed_key: list[int], counts: dict[str, int],
+        min_version: int,
     ) -> tuple[list[_Group], int]:
         """``n_samples_per_prompt`` responses per prompt and their rewards, and how many responses were generated;
         prompts that fill the context and groups with a non-finite reward are dropped (and counted)."""
@@ -158,7 +170,7 @@ class RolloutManager:
         params = SamplingParams(
             temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=max(max_new, 1), seed=seed
         )
-        generations = self.pool.generate([p.token_ids for p in fitting for _ in range(n)], params)
+        generations = self.pool.generate([p.token_ids for p in fitting for _ in range(n)], params, min_version)
 
         groups = []
         for index, prompt in enumerate(fitting):
@@ -172,7 +184,8 @@ class RolloutManager:
 
     def _batch(self, groups: list[_Group], step: int, stride: int) -> RolloutBatch:
         columns: dict[str, list[Any]] = {k: [] for k in (
-            "sample_id", "group_id", "tokens", "prompt_len", "reward", "rollout_logprobs", "truncated", "gen_seconds")}
+            "sample_id", "group_id", "tokens", "prompt_len", "reward", "rollout_logprobs", "rollout_versions",
+            "truncated", "gen_seconds")}
         for group in groups:
             prompt = group.prompt
             for j, (gen, reward) in enumerate(zip(group.generations, group.rewards)):
@@ -182,6 +195,7 @@ class RolloutManager:
                 columns["prompt_len"].append(len(prompt.token_ids))
                 columns["reward"].append(reward)
                 columns["rollout_logprobs"].append(list(gen.logprobs))
+                columns["rollout_versions"].append(gen.versions())  # the policy version of every response token
                 columns["truncated"].append(gen.finish_reason == "length")
                 columns["gen_seconds"].append(gen.seconds)
         return RolloutBatch(columns, {"step": step})
@@ -212,7 +226,7 @@ class RolloutManager:
             "rollout/gen_seconds_max": float(seconds.max()),
             "rollout/engine_restarts": self.pool.restarts,
             "rollout/engines_alive": self.pool.num_alive(),
-            "rollout/weight_version": self.pool.weight_version,  # every response was checked to carry it
+            "rollout/weight_version": self.pool.weight_version,  # the newest; every token was checked against it
             "time/generate": gen_time,
         }
 

@@ -50,8 +50,11 @@ class Generation:
     ``logprobs[i]`` is the log-probability of ``response_ids[i]`` under the distribution it was sampled from
     (see the engine for what that means exactly). ``finish_reason`` is "stop" when the response ends with the
     end-of-sequence token (which it then includes) and "length" when it ran out of ``max_new_tokens``.
-    ``weight_version`` is the policy version the engine held while it generated, so a consumer can refuse a
-    response from stale weights. ``seconds`` is the time from the start of the engine call that produced it to
+    ``weight_version`` is the policy version the engine held when it sampled the first token, so a consumer can
+    refuse a response from stale weights. ``token_versions[i]`` is the version that sampled ``response_ids[i]``:
+    an engine that takes new weights in the middle of a response (a partial rollout, ``Engine
+    .supports_partial_rollout``) continues it under them, so its tokens carry several versions; None when every
+    token carries ``weight_version``. ``seconds`` is the time from the start of the engine call that produced it to
     its last token (a measurement, so it takes no part in equality).
     """
 
@@ -60,3 +63,10 @@ class Generation:
     finish_reason: str
     weight_version: int | None = None
     seconds: float = field(default=0.0, compare=False)
+    token_versions: list[int] | None = None
+
+    def versions(self) -> list[int | None]:
+        """The policy version of every response token."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.weight_version] * len(self.response_ids)

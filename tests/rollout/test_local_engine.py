@@ -106,3 +106,64 @@ def test_tiny_top_p_samples_the_greedy_tokens():
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{"max_new_tokens": 4, field: value})
+
+
+def test_weights_pushed_mid_generation_continue_the_responses_under_them():
+    """A partial rollout: weights v4 pushed while v3 decodes are taken before the next decode step; every response
+    goes on from its prompt and the tokens sampled so far under v4, as if v4 had been asked to continue them, and
+    each token records the version that sampled it."""
+    import threading
+
+    engine = make_engine()  # v3
+    generator = torch.Generator().manual_seed(99)
+    newer = {k: torch.randn(v.shape, generator=generator) * 0.5 for k, v in engine.model.state_dict().items()}
+    switch_at = 4  # decode steps under v3; the push lands while the 5th step's sampling is held
+    reached, go = threading.Event(), threading.Event()
+    sample, calls = engine._sample, []
+
+    def held_sample(logits, params):  # test hook on the real sampler: hold one decode step so the push lands in it
+        calls.append(1)
+        if len(calls) == switch_at:
+            reached.set()
+            assert go.wait(30)
+        return sample(logits, params)
+
+    engine._sample = held_sample
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    out = {}
+    decoding = threading.Thread(target=lambda: out.update(result=engine.generate(PROMPTS, params)))
+    decoding.start()
+    assert reached.wait(30)
+    pushing = threading.Thread(target=engine.update_weights, args=(newer, 4))
+    pushing.start()
+    while engine._pending is None:  # the push is registered, waiting for the next decode step
+        assert pushing.is_alive()
+        pushing.join(0.01)
+    go.set()
+    decoding.join(60)
+    pushing.join(60)
+    assert not decoding.is_alive() and not pushing.is_alive()
+    assert engine.weight_version == 4
+
+    old, new = make_engine(), make_engine()
+    new.update_weights(newer, 4)
+    for prompt, generation in zip(PROMPTS, out["result"]):
+        kept = generation.response_ids[:switch_at]
+        assert generation.token_versions == [3] * len(kept) + [4] * (len(generation.response_ids) - len(kept))
+        assert generation.weight_version == 3
+        first = old.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=switch_at))[0]
+        assert first.response_ids[: len(kept)] == kept
+        assert first.logprobs[: len(kept)] == pytest.approx(generation.logprobs[:switch_at], abs=1e-5)
+        if len(kept) == switch_at and kept[-1] != EOS:  # the response went on under v4
+            rest = new.generate([prompt + kept], SamplingParams(temperature=0.0, max_new_tokens=12 - switch_at))[0]
+            assert generation.response_ids[switch_at:] == rest.response_ids
+            assert generation.logprobs[switch_at:] == pytest.approx(rest.logprobs, abs=1e-5)
+    assert any(len(set(g.token_versions)) == 2 for g in out["result"])
+
+
+def test_weights_pushed_between_calls_load_at_once():
+    engine = make_engine()
+    engine.update_weights(engine.model.state_dict(), 9)  # no call under way: loaded before it returns
+    assert engine.weight_version == 9 and engine._pending is None
+    generation = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=3))[0]
+    assert set(generation.token_versions) == {9}

@@ -15,6 +15,10 @@ of ``Engine``:
   checkpoint directory, for backends that can read one.
 * ``weight_version``: the version of the loaded weights, None before the first update; ``generate`` refuses to run
   without weights.
+* ``supports_partial_rollout`` (class attribute): True when ``update_weights`` may run while ``generate`` is under
+  way, and the responses in flight go on under the new weights (``Generation.token_versions`` records which tokens
+  each version sampled). Such an engine's actor takes two calls at a time. An engine without it (vLLM, SGLang
+  here) takes new weights between two ``generate`` calls: a push waits for the call under way.
 * ``health() -> dict``: cheap liveness answer with at least ``weight_version`` and the process ``pid``.
 * ``shutdown()``: release what the engine started (threads, processes, files) before its actor is killed.
 * ``init_kwargs(cfg, shape, tokenizer, seed, workdir)`` (classmethod): the constructor arguments for this run;
@@ -51,6 +55,7 @@ class Engine(abc.ABC):
     """A generation backend; see the module docstring for the contract."""
 
     weight_version: int | None = None
+    supports_partial_rollout: bool = False
 
     @classmethod
     @abc.abstractmethod
@@ -98,12 +103,14 @@ def engine_seed(cfg, index: int, incarnation: int) -> int:
 
 
 def build_engine(cfg, shape: ModelShape, tokenizer, index: int, incarnation: int = 0):
-    """Start engine ``index`` (its ``incarnation``-th start) as a Ray actor with ``rollout.cpus_per_engine`` CPUs."""
+    """Start engine ``index`` (its ``incarnation``-th start) as a Ray actor with ``rollout.cpus_per_engine`` CPUs;
+    one that supports partial rollouts takes a weight update (or a health check) beside a generate call."""
     cls = engine_class(cfg.rollout.backend)
     workdir = Path(cfg.run_dir or ".") / "rollout" / f"engine_{index}"
     kwargs = cls.init_kwargs(cfg, shape, tokenizer, engine_seed(cfg, index, incarnation), workdir)
     selector = parse_labels(cfg.rollout.engine_label_selector) or None
-    return ray.remote(cls).options(num_cpus=cfg.rollout.cpus_per_engine, label_selector=selector).remote(**kwargs)
+    return ray.remote(cls).options(num_cpus=cfg.rollout.cpus_per_engine, label_selector=selector,
+                                   max_concurrency=2 if cls.supports_partial_rollout else 1).remote(**kwargs)
 
 
 def build_engines(cfg, shape: ModelShape, tokenizer) -> list:

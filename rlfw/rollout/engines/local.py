@@ -9,6 +9,7 @@ cuts and when a sequence stops are all decided here, in one place. It is a plain
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,14 @@ from rlfw.megatron.model import ModelShape
 from rlfw.rollout.engines.base import Engine
 from rlfw.rollout.types import Generation, SamplingParams
 
+# A weight push during a generate call waits this long for the call's next decode step to take it.
+WEIGHT_HANDOVER_TIMEOUT_S = 600.0
+
 
 class LocalEngine(Engine):
     """Samples responses from the policy last loaded with ``update_weights``."""
+
+    supports_partial_rollout = True
 
     def __init__(
         self,
@@ -43,6 +49,10 @@ class LocalEngine(Engine):
         # Policy version of the loaded weights; None until the first update_weights.
         self.weight_version: int | None = None
         self._generator = torch.Generator(self.device).manual_seed(seed)
+        # Partial rollouts: weights pushed during a generate call wait here for its next decode step.
+        self._state_lock = threading.Lock()  # guards the two fields below, held briefly
+        self._generating = False
+        self._pending: tuple[dict[str, Tensor], int, threading.Event] | None = None
 
     @classmethod
     def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, workdir: Path) -> dict[str, Any]:
@@ -50,9 +60,35 @@ class LocalEngine(Engine):
                 "seed": seed}
 
     def update_weights(self, hf_state: dict[str, Tensor], version: int) -> None:
-        """Load a full HF state dict (see ``rlfw.megatron.hf_convert.megatron_to_hf``); cast to fp32."""
+        """Load a full HF state dict (see ``rlfw.megatron.hf_convert.megatron_to_hf``); cast to fp32. During a
+        ``generate`` call the call under way loads them before its next decode step, and this returns once it has
+        (a partial rollout: see ``generate``)."""
+        with self._state_lock:
+            if not self._generating:
+                self._load(hf_state, version)
+                return
+            if self._pending is not None:  # superseded before a decode step took it: the newer weights win
+                self._pending[2].set()
+            loaded = threading.Event()
+            self._pending = (hf_state, version, loaded)
+        if not loaded.wait(WEIGHT_HANDOVER_TIMEOUT_S):
+            raise TimeoutError(f"the generate call under way did not take weights v{version} within "
+                               f"{WEIGHT_HANDOVER_TIMEOUT_S:g} s (one decode step should take milliseconds)")
+
+    def _load(self, hf_state: dict[str, Tensor], version: int) -> None:
         self.model.load_state_dict(hf_state, strict=True)
         self.weight_version = version
+
+    def _take_pending(self) -> bool:
+        """Load the weights an ``update_weights`` left for this call, if any; returns whether it did."""
+        with self._state_lock:
+            if self._pending is None:
+                return False
+            hf_state, version, loaded = self._pending
+            self._pending = None
+            self._load(hf_state, version)
+        loaded.set()
+        return True
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -63,28 +99,43 @@ class LocalEngine(Engine):
         the truncation is a sampling heuristic it does not model. Greedy decoding (temperature 0) reports
         ``log_softmax(logits)``. Sequences stop at ``eos_token_id`` (kept in the response) or after
         ``max_new_tokens``.
+
+        **Partial rollouts.** ``update_weights`` may run while this call decodes (the engine's actor takes two calls
+        at a time): this call loads the new weights before its next decode step, rebuilds the key-value cache from
+        the prompts and the tokens sampled so far under them, and goes on. Every token records the version that
+        sampled it (``Generation.token_versions``).
         """
         self._require_weights()
         if not prompts:
             return []
         self._check_lengths(prompts, params)
         started = time.perf_counter()
-        if params.seed is not None:
-            self._generator.manual_seed(params.seed)
+        with self._state_lock:
+            if self._generating:
+                raise RuntimeError("LocalEngine.generate is already running (the pool sends one call at a time)")
+            self._generating = True
+        try:
+            return self._decode(prompts, params, started)
+        finally:
+            with self._state_lock:
+                self._generating = False
+            self._take_pending()  # weights that arrived after the last decode step
 
-        input_ids, attention_mask = self._left_pad(prompts)
-        # Each sequence counts positions from its first real token, as it would unpadded.
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits = self._next_token_logits(input_ids, attention_mask, position_ids, cache)
-        next_position = position_ids[:, -1:] + 1
-
+    def _decode(self, prompts: list[list[int]], params: SamplingParams, started: float) -> list[Generation]:
         batch = len(prompts)
         responses: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
+        versions: list[list[int]] = [[] for _ in range(batch)]
         seconds = [0.0] * batch
+        if params.seed is not None:
+            self._generator.manual_seed(params.seed)
+        prompt_ids, prompt_mask = self._left_pad(prompts)
+        decoded: list[Tensor] = []  # the token fed back at each step (pads for finished rows): the cache's input
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        cache, logits, next_position, attention_mask = self._prefill(prompt_ids, prompt_mask, decoded)
         for step in range(params.max_new_tokens):
+            if self._take_pending():  # new weights: the cache and the logits belong to the old ones
+                cache, logits, next_position, attention_mask = self._prefill(prompt_ids, prompt_mask, decoded)
             tokens, token_logprobs = self._sample(logits, params)
             for i, (token, logprob, done) in enumerate(
                 zip(tokens.tolist(), token_logprobs.tolist(), finished.tolist())
@@ -92,23 +143,39 @@ class LocalEngine(Engine):
                 if not done:
                     responses[i].append(token)
                     logprobs[i].append(logprob)
+                    versions[i].append(self.weight_version)
                     seconds[i] = time.perf_counter() - started
             finished |= tokens == self.eos_token_id
             if finished.all() or step + 1 == params.max_new_tokens:
                 break
-            # Finished sequences keep decoding pads in lockstep (simpler than shrinking the cache); their outputs
-            # are never read.
+            # Finished sequences keep decoding pads in lockstep (simpler than shrinking the cache); their outputs are
+            # never read.
             tokens = tokens.masked_fill(finished, self.pad_token_id)
+            decoded.append(tokens)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
             logits = self._next_token_logits(tokens[:, None], attention_mask, next_position, cache)
             next_position = next_position + 1
 
         return [
             Generation(
-                response, lps, "stop" if response[-1] == self.eos_token_id else "length", self.weight_version, secs
+                response, lps, "stop" if response[-1] == self.eos_token_id else "length", vers[0], secs,
+                token_versions=vers,
             )
-            for response, lps, secs in zip(responses, logprobs, seconds)
+            for response, lps, vers, secs in zip(responses, logprobs, versions, seconds)
         ]
+
+    def _prefill(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, decoded: list[Tensor]
+    ) -> tuple[DynamicCache, Tensor, Tensor, Tensor]:
+        """A fresh cache of the prompts and the tokens ``decoded`` so far under the current weights: (cache, the
+        next token's logits, the next position, the attention mask)."""
+        input_ids = torch.cat([prompt_ids, *[tokens[:, None] for tokens in decoded]], dim=1)
+        attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(len(prompt_ids), len(decoded))], dim=1)
+        # Each sequence counts positions from its first real token, as it would unpadded.
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._next_token_logits(input_ids, attention_mask, position_ids, cache)
+        return cache, logits, position_ids[:, -1:] + 1, attention_mask
 
     def _check_lengths(self, prompts: list[list[int]], params: SamplingParams) -> None:
         for prompt in prompts:

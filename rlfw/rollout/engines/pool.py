@@ -7,9 +7,13 @@ crashed in native code), the pool starts a new one in its slot, loads the curren
 serves, and sends the dead engine's chunk out again. After ``max_restarts`` restarts over the pool's life a dead
 engine is retired instead: the pool goes on with the engines still serving (a run loses throughput, not its
 progress), and only when none is left does it give up with ``EngineRestartsExhausted``. A retried chunk is the
-same requests with the same seed, so a death does not change what a seeded step samples. Every response must
-carry the weight version the caller expects: one from other weights raises ``StaleWeightsError`` rather than
-reach the trainer.
+same requests with the same seed, so a death does not change what a seeded step samples. Every token of a response
+must come from weights no older than the caller's ``min_version`` (by default the version current when the call
+starts) and no newer than the last pushed: anything else raises ``StaleWeightsError`` rather than reach the trainer.
+
+The asynchronous loop calls ``update_weights`` from another thread while ``generate`` is under way (the manager's
+two concurrency groups): restarts and the weights the pool holds are guarded by one lock, and an engine replaced
+by one thread is not replaced again by the other.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -66,6 +71,10 @@ class EnginePool:
         self.retired: list[int] = []
         # The weights every engine must hold: (object ref, version); None before the first update.
         self._weights: tuple[ray.ObjectRef, int] | None = None
+        self._lock = threading.RLock()  # engines, restarts and weights, between the generate and weights threads
+        # Engine seconds spent in generate calls: finished calls, and the start of each engine's call under way.
+        self._busy_total = 0.0
+        self._busy_since: dict[int, float] = {}
 
     @property
     def weight_version(self) -> int | None:
@@ -78,75 +87,103 @@ class EnginePool:
     def _serving(self) -> list[int]:
         return [i for i, engine in enumerate(self.engines) if engine is not None]
 
+    def busy_seconds(self) -> float:
+        """Engine seconds spent generating since the pool started (calls under way count up to now)."""
+        with self._lock:
+            now = time.monotonic()
+            return self._busy_total + sum(now - since for since in self._busy_since.values())
+
     def update_weights(self, hf_state, version: int) -> None:
-        """Load ``hf_state`` (a dict or its object ref) into every engine; a dead engine is replaced and loaded."""
+        """Load ``hf_state`` (a dict or its object ref) into every engine; a dead engine is replaced and loaded.
+        An engine that is generating takes them between two decode steps (partial rollouts) or, without that, once
+        its call under way returns."""
         ref = hf_state if isinstance(hf_state, ray.ObjectRef) else ray.put(hf_state)
-        self._weights = (ref, version)
-        calls = {index: self.engines[index].update_weights.remote(ref, version) for index in self._serving()}
+        with self._lock:
+            self._weights = (ref, version)
+            engines = {index: self.engines[index] for index in self._serving()}
+        calls = {index: engine.update_weights.remote(ref, version) for index, engine in engines.items()}
         for index, call in calls.items():
             try:
                 ray.get(call, timeout=self.call_timeout_s)
             except (RayActorError, GetTimeoutError) as e:
-                self._restart(index, e)
+                self._restart(index, e, engines[index])
 
     def health(self, timeout_s: float) -> list[dict[str, Any]]:
         """The health answer of each serving engine; one that is dead or does not answer in ``timeout_s`` is
         replaced (or retired past the restart budget, and then left out)."""
-        calls = {index: self.engines[index].health.remote() for index in self._serving()}
+        with self._lock:
+            engines = {index: self.engines[index] for index in self._serving()}
+        calls = {index: engine.health.remote() for index, engine in engines.items()}
         answers = []
         for index, call in calls.items():
             try:
                 answers.append(ray.get(call, timeout=timeout_s))
             except (RayActorError, GetTimeoutError) as e:
-                if self._restart(index, e):
+                if self._restart(index, e, engines[index]):
                     answers.append(ray.get(self.engines[index].health.remote(), timeout=timeout_s))
         return answers
 
-    def generate(self, requests: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """One response per request, in order, all from the weights of the last ``update_weights``."""
+    def generate(
+        self, requests: list[list[int]], params: SamplingParams, min_version: int | None = None
+    ) -> list[Generation]:
+        """One response per request, in order, every token from weights of version ``min_version`` or newer
+        (None: the weights of the last ``update_weights``, which a synchronous caller does not change meanwhile)."""
         if self._weights is None:
             raise RuntimeError("EnginePool.generate called before update_weights: the engines hold no policy")
+        min_version = self.weight_version if min_version is None else min_version
         # Chunks are cut by the configured engine count, not the serving one: a retired engine changes who serves a
         # chunk, never the chunks (or their seeds), so a seeded step samples the same responses.
         chunk_size = self.max_inflight or max(1, math.ceil(len(requests) / len(self.engines)))
         pending = deque(range(len(requests)))
         results: list[Generation | None] = [None] * len(requests)
-        inflight: dict[ray.ObjectRef, tuple[int, list[int], float]] = {}
-        idle = deque(self._serving())
+        # call -> (engine slot, its actor, the chunk, the deadline)
+        inflight: dict[ray.ObjectRef, tuple[int, Any, list[int], float]] = {}
+        with self._lock:
+            idle = deque(self._serving())
         while pending or inflight:
             while idle and pending:
                 index = idle.popleft()
                 chunk = [pending.popleft() for _ in range(min(chunk_size, len(pending)))]
-                call = self.engines[index].generate.remote([requests[i] for i in chunk], chunk_params(params, chunk))
-                inflight[call] = (index, chunk, time.monotonic() + self.call_timeout_s)
-            first_deadline = min(deadline for _, _, deadline in inflight.values())
+                with self._lock:
+                    engine = self.engines[index]
+                    self._busy_since[index] = time.monotonic()
+                call = engine.generate.remote([requests[i] for i in chunk], chunk_params(params, chunk))
+                inflight[call] = (index, engine, chunk, time.monotonic() + self.call_timeout_s)
+            first_deadline = min(deadline for *_, deadline in inflight.values())
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=max(0.0, first_deadline - time.monotonic()))
             if not ready:  # the oldest call is past its deadline: its engine hangs
-                done = min(inflight, key=lambda ref: inflight[ref][2])
-                index, chunk, _ = inflight.pop(done)
+                done = min(inflight, key=lambda ref: inflight[ref][3])
+                index, engine, chunk, _ = inflight.pop(done)
+                self._call_ended(index)
                 pending.extendleft(reversed(chunk))
                 hung = GetTimeoutError(f"engine {index} did not answer a generate call within {self.call_timeout_s} s")
-                if self._restart(index, hung):
+                if self._restart(index, hung, engine):
                     idle.append(index)
                 continue
             [done] = ready
-            index, chunk, _ = inflight.pop(done)
+            index, engine, chunk, _ = inflight.pop(done)
+            self._call_ended(index)
             try:
                 generations = ray.get(done)
             except RayActorError as e:
                 pending.extendleft(reversed(chunk))  # first in line again, on whichever engine is free next
-                if self._restart(index, e):
+                if self._restart(index, e, engine):
                     idle.append(index)
                 continue
             idle.append(index)
             for i, generation in zip(chunk, generations):
-                self._check_version(index, generation)
+                self._check_version(index, generation, min_version)
                 results[i] = generation
         return results  # type: ignore[return-value]  (every slot is filled once the queue is empty)
 
+    def _call_ended(self, index: int) -> None:
+        with self._lock:
+            self._busy_total += time.monotonic() - self._busy_since.pop(index)
+
     def shutdown(self) -> None:
         """Let every live engine release what it started, then end the actors."""
-        engines = [self.engines[index] for index in self._serving()]
+        with self._lock:
+            engines = [self.engines[index] for index in self._serving()]
         calls = [engine.shutdown.remote() for engine in engines]
         for engine, call in zip(engines, calls):
             try:
@@ -155,16 +192,25 @@ class EnginePool:
                 pass  # already dead: nothing left to release
             ray.kill(engine)
 
-    def _check_version(self, index: int, generation: Generation) -> None:
-        expected = self.weight_version
-        if generation.weight_version != expected:
-            raise StaleWeightsError(
-                f"engine {index} answered with weights v{generation.weight_version}, expected v{expected}"
-            )
+    def _check_version(self, index: int, generation: Generation, min_version: int) -> None:
+        newest = self.weight_version
+        versions = generation.versions()
+        if any(v is None or not min_version <= v <= newest for v in versions):
+            wanted = f"v{newest}" if min_version == newest else f"v{min_version}..v{newest}"
+            got = ", ".join(f"v{v}" for v in sorted(set(versions), key=str))
+            raise StaleWeightsError(f"engine {index} answered with weights {got}, expected {wanted}")
 
-    def _restart(self, index: int, cause: Exception) -> bool:
-        """Replace engine ``index`` and load the current weights into it before it serves anything; past the
-        restart budget, retire the slot instead. Returns whether the slot serves again."""
+    def _restart(self, index: int, cause: Exception, failed: Any) -> bool:
+        """Replace engine ``index`` (the actor ``failed``) and load the current weights into it before it serves
+        anything; past the restart budget, retire the slot instead. Returns whether the slot serves again. When the
+        other thread has replaced ``failed`` already, nothing more happens: that replacement loaded the weights the
+        pool held then, which ``update_weights`` sets under the same lock before it reaches any engine."""
+        with self._lock:
+            if self.engines[index] is not failed:
+                return self.engines[index] is not None
+            return self._replace(index, cause)
+
+    def _replace(self, index: int, cause: Exception) -> bool:
         while True:
             ray.kill(self.engines[index])  # a hung engine must not come back as a twin
             if self.restarts >= self.max_restarts:

@@ -1,0 +1,122 @@
+"""RolloutQueue: the rollouts the driver has asked the manager for, and how far ahead of training they may run.
+
+``loop=sync`` asks for step s's rollout when step s begins, with the weights step s trains from: the engines idle
+while the trainer trains, and the trainer while the engines generate. ``loop=async`` with ``loop.max_staleness=k``
+asks, when step s begins, for every rollout up to step s + k: the manager generates them one after the other, in
+its ``rollout`` concurrency group, while the driver trains step s, and the weights each step pushes (the manager's
+``weights`` group) reach the generation under way (partial rollouts, where the engine supports them).
+
+**The staleness bound.** A rollout asked for while the engines hold version v has every token from version v or
+newer (the pool checks it), and the step that trains on it, at most k steps later, holds at most v + k: no token
+lags more than k versions behind the weights that train on it. ``staleness`` checks it per sample from the
+versions the engines recorded per token, so a scheduling bug is an error, not a silently off-policy step. With
+k = 0 this is the synchronous loop, call for call.
+
+**Utilisation.** The engines' busy fraction (engine seconds in generate calls over wall seconds times engines) and
+the trainer's (seconds in log-probs and training over wall seconds) are what overlapping buys: both are measured
+per step, in either mode.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError
+
+
+class StalenessError(RuntimeError):
+    """A sample lags more policy versions behind the training weights than ``loop.max_staleness`` allows."""
+
+
+def staleness(versions: List[List[int]], version: int, max_staleness: int) -> Dict[str, float]:
+    """Per-sample staleness (``version`` minus the sample's oldest token version) summarised; above
+    ``max_staleness`` it raises ``StalenessError`` naming the sample."""
+    if not versions:
+        return {}
+    lags = np.asarray([version - min(v) for v in versions])
+    if lags.max() > max_staleness or lags.min() < 0:
+        worst = int(np.argmax(np.abs(lags)))
+        raise StalenessError(
+            f"sample {worst} has tokens of policy versions {sorted(set(versions[worst]))} but trains on version "
+            f"{version}: {int(lags[worst])} versions apart, loop.max_staleness={max_staleness}"
+        )
+    return {
+        "loop/staleness_max": float(lags.max()),
+        "loop/staleness_mean": float(lags.mean()),
+        # responses continued under newer weights than they started with
+        "loop/partial_rollout_frac": float(np.mean([min(v) != max(v) for v in versions])),
+    }
+
+
+class RolloutQueue:
+    """Steps whose rollout the manager was asked for, in order; ``max_staleness`` = how many steps ahead of the one
+    training (0: none, the synchronous loop)."""
+
+    def __init__(self, manager, max_staleness: int, num_steps: int, timeout_s: float) -> None:
+        self.manager = manager
+        self.max_staleness = max_staleness
+        self.num_steps = num_steps
+        self.timeout_s = timeout_s  # one rollout's wait (rollout.step_timeout_s)
+        self._calls: Dict[int, ray.ObjectRef] = {}
+        self._done: Dict[int, Dict[str, Any]] = {}  # answers fetched while counting what waits
+        self._clock = (time.perf_counter(), 0.0)  # (wall, engine busy seconds) at the last utilisation
+
+    def fill(self, step: int, version: int) -> None:
+        """Ask for the rollouts of steps ``step`` .. ``step + max_staleness`` not asked for yet, from weights of
+        ``version`` (what the engines hold now) or newer."""
+        last = min(step + self.max_staleness, self.num_steps - 1)
+        for s in range(step, last + 1):
+            if s not in self._calls and s not in self._done:
+                self._calls[s] = self.manager.generate.remote(s, version)
+
+    def take(self, step: int) -> Dict[str, Any]:
+        """Step ``step``'s rollout (the manager's answer), waiting for it within the deadline; the seconds waited
+        and the samples already generated for later steps are in its stats."""
+        waiting = self._samples_waiting(step)
+        t0 = time.perf_counter()
+        if step in self._done:
+            rollout = self._done.pop(step)
+        else:
+            try:
+                rollout = ray.get(self._calls.pop(step), timeout=self.timeout_s)
+            except GetTimeoutError:
+                raise TimeoutError(f"step {step}'s rollout did not finish within rollout.step_timeout_s="
+                                   f"{self.timeout_s:g}") from None
+        rollout["stats"]["loop/rollout_wait_s"] = time.perf_counter() - t0
+        rollout["stats"]["loop/samples_waiting"] = waiting
+        return rollout
+
+    def _samples_waiting(self, step: int) -> int:
+        """Samples generated for steps after ``step`` and not trained yet (their answers are fetched now)."""
+        later = [s for s in self._calls if s > step]
+        if later:
+            ready, _ = ray.wait([self._calls[s] for s in later], num_returns=len(later), timeout=0)
+            ready_set = set(ready)
+            for s in later:
+                if self._calls[s] in ready_set:
+                    self._done[s] = ray.get(self._calls.pop(s))
+        return sum(len(r["batch"]) for s, r in self._done.items() if s > step)
+
+    def utilisation(self, trainer_seconds: float, num_engines: int) -> Dict[str, float]:
+        """Busy fractions of the engines and the trainer since the last call (the last step's end)."""
+        now = time.perf_counter()
+        busy = ray.get(self.manager.busy_seconds.remote(), timeout=self.timeout_s)
+        wall = max(now - self._clock[0], 1e-9)
+        engine = (busy - self._clock[1]) / (wall * max(num_engines, 1))
+        self._clock = (now, busy)
+        return {"loop/engine_busy_frac": engine, "loop/trainer_busy_frac": trainer_seconds / wall}
+
+    def drain(self) -> None:
+        """Wait for every rollout asked for (their errors ignored) and forget them: before the weights go back to
+        an older version (a restore), whose generation must not mix with what was asked for from newer ones."""
+        deadline = time.monotonic() + self.timeout_s
+        for call in self._calls.values():
+            try:
+                ray.get(call, timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001  (dropped either way; a hung manager fails the next step's wait)
+                pass
+        self._calls.clear()
+        self._done.clear()
