@@ -105,3 +105,32 @@ def test_killed_engine_is_replaced_then_retired_past_the_budget(ray_local, tmp_p
             ray.get(manager.generate.remote(1, 0))
     finally:
         ray.get(manager.shutdown.remote())
+
+
+def test_a_weight_push_reaches_a_generation_under_way(ray_local, tmp_path):
+    """loop=async's overlap: the manager takes a push (its weights group) while it generates (its rollout group),
+    the local engine continues its responses under the new weights, and every token says which weights sampled it;
+    a step asking for weights newer than the engines hold is refused."""
+    manager = start_manager(
+        tmp_path, "rollout.num_prompts=16", "rollout.n_samples_per_prompt=8", "rollout.max_inflight_requests=8",
+        "task.length=24", "rollout.temperature=1.0", version=0,
+    )
+    shape = shape_of(compose_cfg(tmp_path, "task.length=24"))
+    try:
+        reference = ray.get(manager.generate.remote(0, 0))  # no push during the call: version 0 throughout
+        assert {v for versions in reference["batch"].samples["rollout_versions"] for v in versions} == {0}
+        rollout = manager.generate.remote(1, 0)
+        ray.wait([rollout], timeout=0.3)  # let it start
+        ray.get(manager.update_weights.remote(random_hf_state(shape, seed=1), 1), timeout=60)
+        pushed_while_generating = not ray.wait([rollout], timeout=0)[0]
+        batch = ray.get(rollout)["batch"]
+        with pytest.raises(Exception, match="engines hold weights v1 but step 2 needs v2 or newer"):
+            ray.get(manager.generate.remote(2, 2))
+    finally:
+        ray.get(manager.shutdown.remote())
+    assert pushed_while_generating  # the push did not queue behind the generate call
+    versions = batch.samples["rollout_versions"]
+    assert [len(v) for v in versions] == batch.response_lengths()
+    assert {v for vs in versions for v in vs} == {0, 1}
+    assert all(vs == sorted(vs) for vs in versions)  # a response only ever moves to newer weights
+    assert any(vs[0] == 0 and vs[-1] == 1 for vs in versions)  # responses continued under the pushed weights
