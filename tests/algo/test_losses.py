@@ -110,6 +110,29 @@ def test_tis_weights_the_pg_term_by_the_capped_trainer_over_engine_ratio():
     torch.testing.assert_close(logprobs.grad, t([-1.0 * tis[0] * 0.5, 2.0 * tis[1] * 0.25]), rtol=0, atol=1e-12)
 
 
+def test_decoupled_objective_on_stale_samples_is_the_on_policy_gradient():
+    """loop=async's objective (the PPO ratio against the proximal policy, each token weighed by pi_prox / pi_behaviour):
+    in expectation over tokens drawn from an older (behaviour) policy it is the exact policy gradient of the current
+    one, -grad sum_a pi(a) A(a). Exact expectation over a 5-token vocabulary (each token weighed by its behaviour
+    probability), no sampling noise; without the weight the gradient is the behaviour policy's, not the current's."""
+    theta = leaf([0.3, -1.2, 0.8, 0.0, 2.0])  # the current (= proximal) policy's logits
+    behaviour = torch.log_softmax(t([1.0, 0.5, -0.5, 0.2, 0.1]), dim=0)  # an older policy's, which sampled
+    advantages = t([1.0, -2.0, 0.5, 3.0, -1.0])
+    cap = 100.0  # above every pi/beta here: the weight is exact
+
+    def gradient(algo):
+        theta.grad = None
+        logprobs = torch.log_softmax(theta, dim=0)
+        loss, _ = policy_loss(logprobs, logprobs.detach(), advantages, behaviour.exp(), algo,
+                              rollout_logprobs=behaviour)
+        loss.backward()
+        return theta.grad.clone()
+
+    exact = torch.autograd.grad(-(torch.softmax(theta, dim=0) * advantages).sum(), theta)[0]
+    torch.testing.assert_close(gradient(AlgoConfig(name="grpo", tis_cap=cap)), exact, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(gradient(AlgoConfig(name="grpo")), exact, atol=1e-3)
+
+
 def test_tis_without_rollout_logprobs_is_an_error():
     with pytest.raises(ValueError, match="rollout_logprobs"):
         policy_loss(t([-1.0]), t([-1.0]), t([1.0]), t([1.0]), AlgoConfig(name="grpo", tis_cap=2.0))
