@@ -136,7 +136,7 @@ def test_weights_pushed_mid_generation_continue_the_responses_under_them():
     assert reached.wait(30)
     pushing = threading.Thread(target=engine.update_weights, args=(newer, 4))
     pushing.start()
-    while engine._pending is None:  # the push is registered, waiting for the next decode step
+    while engine._handoff._pending is None:  # the push is registered, waiting for the next decode step
         assert pushing.is_alive()
         pushing.join(0.01)
     go.set()
@@ -164,6 +164,6 @@ def test_weights_pushed_mid_generation_continue_the_responses_under_them():
 def test_weights_pushed_between_calls_load_at_once():
     engine = make_engine()
     engine.update_weights(engine.model.state_dict(), 9)  # no call under way: loaded before it returns
-    assert engine.weight_version == 9 and engine._pending is None
+    assert engine.weight_version == 9 and engine._handoff._pending is None
     generation = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=3))[0]
     assert set(generation.token_versions) == {9}

@@ -4,14 +4,16 @@ What runs for real here: rlfw's client, engine and launcher code; HTTP over loop
 Ray actors with rlfw's command line and killed with real signals; HF checkpoints written to disk and loaded by the
 servers; generation, tokens and log-probs computed by ``LocalEngine`` inside the stand-in
 (``fake_sglang_server.py``), which speaks SGLang 0.5.23's request and response JSON for ``/generate``,
-``/update_weights_from_disk``, ``/health_generate`` and ``/model_info``, refuses fields SGLang would not know, and
-can act as a router.
+``/update_weights_from_disk``, ``/pause_generation`` (mode abort), ``/continue_generation``, ``/health_generate``
+and ``/model_info``, refuses fields SGLang would not know, stops a generation between two decode steps when paused,
+and can act as a router.
 
 What is NOT exercised against a real SGLang: SGLang's own sampling kernels and log-prob numerics (which follow
 SGLang's documented semantics: ``softmax(logits / temperature)`` before top-p, as ``LocalEngine``), its
 ``sampling_seed`` determinism (needs ``--enable-deterministic-inference``), its start-up on GPUs (CUDA graphs,
 memory fraction, tensor parallelism across Ray-assigned GPUs), the real ``sglang.launch_server`` flag parser, the
-real SGLang router, and how long a real server takes to start or reload weights.
+real SGLang router, how long a real server takes to start or reload weights, and how long its pause takes (SGLang
+polls its requests once a second while it aborts them).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from rlfw.megatron.model import ModelShape
 from rlfw.rollout.engines.local import LocalEngine
 from rlfw.rollout.engines.sglang import SGLangEngine, save_server_checkpoint
 from rlfw.rollout.engines.sglang_client import (
+    Output,
     ServerError,
     generate_payload,
-    parse_generations,
+    parse_outputs,
     request_seeds,
 )
 from rlfw.rollout.engines.sglang_server import launch_argv
@@ -170,6 +173,9 @@ def test_payload_uses_sglang_field_names():
     # The samples of one group share a prompt but not a seed, else a deterministic server repeats one sample.
     assert first["sampling_seed"] != second["sampling_seed"]
     assert request_seeds(11, 2) == request_seeds(11, 2)
+    # Continuations: each request asks for the tokens its sample has left.
+    continued = generate_payload([[1, 2, 7], [1, 2]], params, [EOS], seeds=None, max_new_tokens=[4, 5])
+    assert [sp["max_new_tokens"] for sp in continued["sampling_params"]] == [4, 5]
 
 
 # One answer of SGLang 0.5.23's /generate for a batch of two (meta_info abridged to what rlfw reads and a few more).
@@ -184,9 +190,23 @@ SGLANG_ANSWER = [
 
 
 def test_parse_sglang_answer():
-    assert parse_generations("http://s", SGLANG_ANSWER, 2, "7") == [
-        Generation([5, 2], [-0.5, -1.25], "stop", weight_version=7),
-        Generation([9], [-2.0], "length", weight_version=7),
+    assert parse_outputs("http://s", SGLANG_ANSWER, 2, "7") == [
+        Output([5, 2], [-0.5, -1.25], "stop"),
+        Output([9], [-2.0], "length"),
+    ]
+
+
+def test_parse_keeps_what_aborted_requests_sampled():
+    """A paused server answers its aborted requests with the tokens so far (FINISH_ABORT().to_json()), and those it
+    aborted before their prefill with none (older SGLang versions send no log-prob list there)."""
+    answer = json.loads(json.dumps(SGLANG_ANSWER))
+    answer[0]["meta_info"]["finish_reason"] = {"type": "abort", "message": "Aborted", "status_code": None,
+                                               "err_type": None}
+    answer[1] = {"meta_info": {"id": "a2", "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+                               "prompt_tokens": 0, "completion_tokens": 0}}
+    assert parse_outputs("http://s", answer, 2, "7") == [
+        Output([5, 2], [-0.5, -1.25], "abort", "Aborted"),
+        Output([], [], "abort", "Abort before prefill"),
     ]
 
 
@@ -194,16 +214,17 @@ def test_parse_sglang_answer():
     "mutate,expected",
     [
         (lambda a: a[0]["meta_info"].update(weight_version="6"), "weight version '6', expected '7'"),
-        (lambda a: a[1]["meta_info"].update(finish_reason={"type": "abort", "message": "oom"}), "aborted.*oom"),
+        (lambda a: a[1]["meta_info"].update(finish_reason={"type": "oom"}), "unexpected finish_reason"),
         (lambda a: a.pop(), "answered 1 items for 2 prompts"),
         (lambda a: a[0]["meta_info"].pop("output_token_logprobs"), "lacks"),
+        (lambda a: a[1]["meta_info"].update(output_token_logprobs=[]), "without generated tokens"),
     ],
 )
-def test_parse_refuses_stale_aborted_or_garbled_answers(mutate, expected):
+def test_parse_refuses_stale_or_garbled_answers(mutate, expected):
     answer = json.loads(json.dumps(SGLANG_ANSWER))
     mutate(answer)
     with pytest.raises(ServerError, match=expected):
-        parse_generations("http://s", answer, 2, "7")
+        parse_outputs("http://s", answer, 2, "7")
 
 
 def test_launch_command_line():
@@ -337,6 +358,92 @@ def test_generation_through_a_router(server, tmp_path):
     assert [e["path"] for e in events(tmp_path / "router.jsonl") if e.get("method") == "POST"] == ["/generate"]
 
 
+HELD_AT = 4  # tokens a held server's first generation samples before it waits for a pause
+LONG = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+
+@pytest.fixture
+def held_server(tmp_path):
+    """A server of its own whose first generation holds after ``HELD_AT`` tokens until a pause stops it."""
+    model = save_server_checkpoint(tmp_path / "initial", STATE_A, SHAPE, EOS)
+    port = free_ports(1)
+    process = start_fake(tmp_path, "held", port, "--model-path", str(model), "--fake-hold-after", str(HELD_AT),
+                         "--fake-events", str(tmp_path / "held.jsonl"))
+    yield {"url": f"http://127.0.0.1:{port}", "events": tmp_path / "held.jsonl"}
+    process.kill()
+    process.wait()
+
+
+def has_held(log: Path) -> bool:
+    return any(e["event"] == "held" for e in events(log))
+
+
+def posts_after_hold(log: Path) -> list[tuple[str, dict]]:
+    """The POST requests the server took from the moment its generation held."""
+    log_events = events(log)
+    held = next(i for i, e in enumerate(log_events) if e["event"] == "held")
+    return [(e["path"], e["body"]) for e in log_events[held:] if e.get("method") == "POST"]
+
+
+def test_weights_pushed_mid_generation_continue_the_requests_under_them(held_server, tmp_path):
+    """A partial rollout on SGLang: weights v2 pushed while v1 generates (the server holds the generation after 4
+    tokens) make the call pause the server, whose aborted requests answer with their 4 tokens; the server loads v2
+    and continues, and every unfinished request goes on from its prompt and those tokens under v2, exactly as v2
+    continues them on its own (greedy). Each token records its version."""
+    engine = attached(tmp_path, held_server["url"])
+    engine.update_weights(STATE_A, version=1)
+    with ThreadPoolExecutor(2) as threads:
+        call = threads.submit(engine.generate, PROMPTS, LONG)
+        wait_for(lambda: has_held(held_server["events"]), "the generation to hold")
+        push = threads.submit(engine.update_weights, STATE_B, 2)
+        generations = call.result(timeout=300)
+        push.result(timeout=300)
+
+    before = reference(STATE_A, PROMPTS, LONG)
+    unfinished = [i for i, b in enumerate(before) if len(b.response_ids) > HELD_AT]
+    rest = reference(STATE_B, [PROMPTS[i] + before[i].response_ids[:HELD_AT] for i in unfinished],
+                     replace(LONG, max_new_tokens=LONG.max_new_tokens - HELD_AT))
+    assert unfinished and any(r.response_ids != before[i].response_ids[HELD_AT:] for i, r in zip(unfinished, rest))
+    for i, (generation, old) in enumerate(zip(generations, before)):
+        assert generation.weight_version == 1
+        if i not in unfinished:  # finished under v1 before the push
+            assert generation.response_ids == old.response_ids
+            assert generation.token_versions == [1] * len(old.response_ids)
+            continue
+        new = rest[unfinished.index(i)]
+        assert generation.response_ids == old.response_ids[:HELD_AT] + new.response_ids
+        assert generation.finish_reason == new.finish_reason
+        assert generation.token_versions == [1] * HELD_AT + [2] * len(new.response_ids)
+        torch.testing.assert_close(torch.tensor(generation.logprobs),
+                                   torch.tensor(old.logprobs[:HELD_AT] + new.logprobs), rtol=0, atol=1e-5)
+    # The push was taken by the generate call, which paused the server first, and returned once it was loaded.
+    posts = posts_after_hold(held_server["events"])
+    assert [path for path, _ in posts] == ["/pause_generation", "/update_weights_from_disk", "/continue_generation",
+                                           "/generate"]
+    assert posts[0][1] == {"mode": "abort"} and posts[1][1]["weight_version"] == "2"
+    assert posts[3][1]["input_ids"] == [PROMPTS[i] + before[i].response_ids[:HELD_AT] for i in unfinished]
+
+
+def test_requests_aborted_by_someone_else_go_on_from_their_tokens(held_server, tmp_path):
+    """A pause the engine did not ask for (an operator's) aborts its requests: they keep the tokens they got and are
+    sent again from there, under the same weights, once the server continues: the greedy answer is unchanged."""
+    engine = attached(tmp_path, held_server["url"])
+    engine.update_weights(STATE_A, version=1)
+    with ThreadPoolExecutor(1) as thread:
+        call = thread.submit(engine.generate, PROMPTS, LONG)
+        wait_for(lambda: has_held(held_server["events"]), "the generation to hold")
+        requests.post(held_server["url"] + "/pause_generation", json={"mode": "abort"}, timeout=60).raise_for_status()
+        requests.post(held_server["url"] + "/continue_generation", json={}, timeout=60).raise_for_status()
+        generations = call.result(timeout=300)
+
+    before = reference(STATE_A, PROMPTS, LONG)
+    assert_same(generations, before, version=1)
+    assert all(g.token_versions == [1] * len(g.response_ids) for g in generations)
+    resent = [body for path, body in posts_after_hold(held_server["events"]) if path == "/generate"]
+    assert resent[-1]["input_ids"] == [p + b.response_ids[:HELD_AT] for p, b in zip(PROMPTS, before)
+                                       if len(b.response_ids) > HELD_AT]
+
+
 def test_dead_attached_server_gives_a_clear_error(tmp_path):
     model = save_server_checkpoint(tmp_path / "initial", STATE_A, SHAPE, EOS)
     port = free_ports(1)
@@ -402,7 +509,8 @@ def test_killed_server_batch_is_resent_and_server_restarted_with_current_weights
     cfg = launch_cfg(tmp_path, base_port, "--fake-hang-once", str(hang))
 
     def start_engine(index: int, incarnation: int):
-        return ray.remote(SGLangEngine).options(num_cpus=0).remote(
+        # Two calls at a time, as build_engine starts an engine that supports partial rollouts.
+        return ray.remote(SGLangEngine).options(num_cpus=0, max_concurrency=2).remote(
             cfg, SHAPE, EOS, seed=index + 10 * incarnation, index=index, host="127.0.0.1",
             workdir=tmp_path / "rollout" / f"engine_{index}")
 

@@ -91,3 +91,44 @@ def test_listens_on_loopback_only_and_shuts_down_without_leftovers(engines):
     ray.kill(vllm)
     process.wait(timeout=60)
     assert not process.is_running()
+
+
+def test_weights_pushed_mid_generation_continue_the_requests_under_them(ray_local, tmp_path):
+    """A partial rollout on vLLM: weights v1 pushed while v0 generates (the call held before its 4th engine step)
+    are taken before the 5th; every unfinished request goes on from its prompt and its first 4 tokens under v1,
+    exactly as v1 continues them on its own (greedy), and each token records its version."""
+    from held_engines import HeldVLLMEngine
+
+    cfg = compose_cfg(tmp_path, "rollout=vllm")
+    shape, tokenizer = shape_of(cfg), CopyTask().tokenizer
+    kwargs = HeldVLLMEngine.init_kwargs(cfg, shape, tokenizer, seed=0, workdir=tmp_path / "engine")
+    engine = ray.remote(HeldVLLMEngine).options(num_cpus=0.1, max_concurrency=4).remote(**kwargs)
+    try:
+        old, new = random_hf_state(shape, seed=1), random_hf_state(shape, seed=2)
+        ray.get(engine.update_weights.remote(old, 0))
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+        reference = ray.get(engine.generate.remote(PROMPTS, greedy))
+        ray.get(engine.hold_at.remote(4))
+        call = engine.generate.remote(PROMPTS, greedy)
+        assert ray.get(engine.wait_reached.remote(120))
+        push = engine.update_weights.remote(new, 1)
+        while not ray.get(engine.push_pending.remote()):
+            assert not ray.wait([push], timeout=0.05)[0], "the push returned before the generate call took it"
+        ray.get(engine.release.remote())
+        generations, _ = ray.get(call, timeout=120), ray.get(push, timeout=120)
+        kept = 4  # tokens sampled under v0: engine steps 1-4
+        for prompt, generation, before in zip(PROMPTS, generations, reference):
+            if len(before.response_ids) <= kept:  # finished under v0
+                assert generation == before and generation.token_versions == [0] * len(before.response_ids)
+                continue
+            assert generation.response_ids[:kept] == before.response_ids[:kept]
+            assert generation.token_versions == [0] * kept + [1] * (len(generation.response_ids) - kept)
+            [rest] = ray.get(engine.generate.remote([prompt + before.response_ids[:kept]],
+                                                    SamplingParams(temperature=0.0, max_new_tokens=12 - kept)))
+            assert generation.response_ids[kept:] == rest.response_ids
+            torch.testing.assert_close(torch.tensor(generation.logprobs[kept:]), torch.tensor(rest.logprobs),
+                                       rtol=0, atol=ATOL)
+        assert any(set(g.token_versions) == {0, 1} for g in generations)
+    finally:
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)

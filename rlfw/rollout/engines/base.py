@@ -17,8 +17,9 @@ of ``Engine``:
   without weights.
 * ``supports_partial_rollout`` (class attribute): True when ``update_weights`` may run while ``generate`` is under
   way, and the responses in flight go on under the new weights (``Generation.token_versions`` records which tokens
-  each version sampled). Such an engine's actor takes two calls at a time. An engine without it (vLLM, SGLang
-  here) takes new weights between two ``generate`` calls: a push waits for the call under way.
+  each version sampled; ``rlfw.rollout.engines.handoff`` hands the weights to the call). Such an engine's actor
+  takes two calls at a time; every backend here does. An engine without it takes new weights between two
+  ``generate`` calls: a push waits for the call under way.
 * ``health() -> dict``: cheap liveness answer with at least ``weight_version`` and the process ``pid``.
 * ``shutdown()``: release what the engine started (threads, processes, files) before its actor is killed.
 * ``init_kwargs(cfg, shape, tokenizer, seed, workdir)`` (classmethod): the constructor arguments for this run;

@@ -9,7 +9,6 @@ cuts and when a sequence stops are all decided here, in one place. It is a plain
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,10 +20,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from rlfw.megatron.hf_convert import hf_config
 from rlfw.megatron.model import ModelShape
 from rlfw.rollout.engines.base import Engine
+from rlfw.rollout.engines.handoff import WeightHandoff
 from rlfw.rollout.types import Generation, SamplingParams
-
-# A weight push during a generate call waits this long for the call's next decode step to take it.
-WEIGHT_HANDOVER_TIMEOUT_S = 600.0
 
 
 class LocalEngine(Engine):
@@ -49,10 +46,7 @@ class LocalEngine(Engine):
         # Policy version of the loaded weights; None until the first update_weights.
         self.weight_version: int | None = None
         self._generator = torch.Generator(self.device).manual_seed(seed)
-        # Partial rollouts: weights pushed during a generate call wait here for its next decode step.
-        self._state_lock = threading.Lock()  # guards the two fields below, held briefly
-        self._generating = False
-        self._pending: tuple[dict[str, Tensor], int, threading.Event] | None = None
+        self._handoff = WeightHandoff()  # weights pushed during a generate call wait for its next decode step
 
     @classmethod
     def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, workdir: Path) -> dict[str, Any]:
@@ -63,32 +57,11 @@ class LocalEngine(Engine):
         """Load a full HF state dict (see ``rlfw.megatron.hf_convert.megatron_to_hf``); cast to fp32. During a
         ``generate`` call the call under way loads them before its next decode step, and this returns once it has
         (a partial rollout: see ``generate``)."""
-        with self._state_lock:
-            if not self._generating:
-                self._load(hf_state, version)
-                return
-            if self._pending is not None:  # superseded before a decode step took it: the newer weights win
-                self._pending[2].set()
-            loaded = threading.Event()
-            self._pending = (hf_state, version, loaded)
-        if not loaded.wait(WEIGHT_HANDOVER_TIMEOUT_S):
-            raise TimeoutError(f"the generate call under way did not take weights v{version} within "
-                               f"{WEIGHT_HANDOVER_TIMEOUT_S:g} s (one decode step should take milliseconds)")
+        self._handoff.load(lambda: self._load(hf_state, version), f"weights v{version}")
 
     def _load(self, hf_state: dict[str, Tensor], version: int) -> None:
         self.model.load_state_dict(hf_state, strict=True)
         self.weight_version = version
-
-    def _take_pending(self) -> bool:
-        """Load the weights an ``update_weights`` left for this call, if any; returns whether it did."""
-        with self._state_lock:
-            if self._pending is None:
-                return False
-            hf_state, version, loaded = self._pending
-            self._pending = None
-            self._load(hf_state, version)
-        loaded.set()
-        return True
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -110,16 +83,8 @@ class LocalEngine(Engine):
             return []
         self._check_lengths(prompts, params)
         started = time.perf_counter()
-        with self._state_lock:
-            if self._generating:
-                raise RuntimeError("LocalEngine.generate is already running (the pool sends one call at a time)")
-            self._generating = True
-        try:
+        with self._handoff.generating():
             return self._decode(prompts, params, started)
-        finally:
-            with self._state_lock:
-                self._generating = False
-            self._take_pending()  # weights that arrived after the last decode step
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams, started: float) -> list[Generation]:
         batch = len(prompts)
@@ -134,7 +99,7 @@ class LocalEngine(Engine):
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         cache, logits, next_position, attention_mask = self._prefill(prompt_ids, prompt_mask, decoded)
         for step in range(params.max_new_tokens):
-            if self._take_pending():  # new weights: the cache and the logits belong to the old ones
+            if self._handoff.take():  # new weights: the cache and the logits belong to the old ones
                 cache, logits, next_position, attention_mask = self._prefill(prompt_ids, prompt_mask, decoded)
             tokens, token_logprobs = self._sample(logits, params)
             for i, (token, logprob, done) in enumerate(

@@ -17,20 +17,30 @@ spreads requests over the engines, so one engine is one server:
   ``/update_weights_from_distributed`` over NCCL) is not implemented: both need the trainer's weights on GPUs.
 * Every answer carries the server's weight version; one from other weights than the last pushed is refused (the
   server is given the current checkpoint again and the batch re-sent), so stale samples never reach the trainer.
-* A failed request is retried with exponential backoff, ``max_retries`` times. When the server is dead (its process
-  exited, or it fails its health check), or keeps failing, the engine stops it and leaves (its actor exits): the
-  pool then re-sends the batch to the engines still serving and starts a new engine in this slot, which gets the
-  current weights before it serves - in launch mode on a fresh server, in attach mode once the server at its URL
-  is healthy again (``startup_timeout_s`` at most, then an error naming the URL).
+* Partial rollouts: the actor takes a weight push beside a generate call (``WeightHandoff``). The call polls its
+  ``/generate`` (sent from a thread of its own); when a push is waiting it pauses the server with ``mode=abort``
+  (SGLang aborts every request in flight, each answering with the tokens it sampled so far, and holds new ones),
+  loads the checkpoint, continues the server, and sends every unfinished sample again as its prompt plus its tokens
+  so far, for the tokens it has left, with its own seed. Each token records its version. Through a router a push
+  waits for the call under way instead: pausing this engine's server would abort the requests other engines routed
+  there, and this engine's requests may be running on other servers.
+* A failed request (or one the server aborted without a push: someone else paused it) is sent again with
+  exponential backoff, ``max_retries`` times, each sample from the tokens it got. When the server is dead (its
+  process exited, or it fails its health check), or keeps failing, the engine stops it and leaves (its actor
+  exits): the pool then re-sends the batch to the engines still serving and starts a new engine in this slot, which
+  gets the current weights before it serves - in launch mode on a fresh server, in attach mode once the server at
+  its URL is healthy again (``startup_timeout_s`` at most, then an error naming the URL).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +56,20 @@ from rlfw.config.schema import SGLangConfig
 from rlfw.megatron.hf_checkpoint import save_hf_checkpoint
 from rlfw.megatron.model import ModelShape
 from rlfw.rollout.engines.base import Engine
-from rlfw.rollout.engines.sglang_client import RequestRejected, ServerError, SGLangClient, request_seeds
+from rlfw.rollout.engines.handoff import WeightHandoff
+from rlfw.rollout.engines.sglang_client import (
+    CONNECT_TIMEOUT_S,
+    Output,
+    RequestRejected,
+    ServerError,
+    SGLangClient,
+    request_seeds,
+)
 from rlfw.rollout.engines.sglang_server import ServerProcess, launch_argv
 from rlfw.rollout.types import Generation, SamplingParams
 
 HEALTH_POLL_S = 1.0
+GENERATE_POLL_S = 0.05  # how often a generate call looks for a weight push while its /generate runs
 
 
 def save_server_checkpoint(
@@ -71,6 +90,8 @@ def save_server_checkpoint(
 
 class SGLangEngine(Engine):
     """Samples from one SGLang server holding the policy last pushed with ``update_weights``."""
+
+    supports_partial_rollout = True
 
     def __init__(
         self,
@@ -112,6 +133,13 @@ class SGLangEngine(Engine):
         self._checkpoint: Path | None = None
         self._process: Any = None  # launch mode: the ServerProcess actor, once started
         self.server_pid: int | None = None  # launch mode: the last server process started
+        self._paused = False  # the server was paused to take a push, and is to continue once loaded
+        # A push waits for the call under way to reach its next poll (at worst it is checking a failed server and
+        # reloading it, or backing off), then for the pause and the load (at worst a restart).
+        self._handoff = WeightHandoff(
+            timeout_s=cfg.startup_timeout_s + 2 * cfg.weight_update_timeout_s + 4 * cfg.control_timeout_s
+            + cfg.retry_backoff_s * 2**cfg.max_retries
+        )
 
     @classmethod
     def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, workdir: Path) -> dict[str, Any]:
@@ -131,51 +159,106 @@ class SGLangEngine(Engine):
         }
 
     def update_weights(self, hf_state: dict[str, torch.Tensor], version: int) -> None:
-        """Write ``hf_state`` as this version's checkpoint and make the server load it."""
+        """Write ``hf_state`` as this version's checkpoint and make the server load it: at once, or, during a
+        generate call, when the call takes it (see ``generate``); returns once loaded."""
         path = self.weights_dir / f"v{version}"
         partial = self.weights_dir / f"v{version}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         save_server_checkpoint(partial, hf_state, self.shape, self.eos_token_id)
         shutil.rmtree(path, ignore_errors=True)
         partial.rename(path)  # whole or not at all
-        previous = self._checkpoint
-        self._load(path, version)
-        if previous is not None and previous != path and previous.parent == self.weights_dir:
-            shutil.rmtree(previous, ignore_errors=True)
+
+        def apply() -> None:
+            previous = self._checkpoint
+            self._load(path, version)
+            if previous is not None and previous != path and previous.parent == self.weights_dir:
+                shutil.rmtree(previous, ignore_errors=True)
+
+        self._handoff.load(apply, f"weights v{version}")
 
     def update_weights_from_dir(self, path: str, version: int) -> None:
         """Load the HF checkpoint directory ``path`` (as the server sees the filesystem) as ``version``."""
-        self._load(Path(path).resolve(), version)
+        self._handoff.load(lambda: self._load(Path(path).resolve(), version), f"weights v{version} from {path}")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """One response per prompt from the server (or the router), with the log-probs ``sglang_client`` describes.
 
-        ``params.seed`` gives every request its own ``sampling_seed`` (kept when a batch is re-sent), which SGLang
-        honours when launched with ``--enable-deterministic-inference``.
+        ``params.seed`` gives every request its own ``sampling_seed`` (kept when a request is sent again), which
+        SGLang honours when launched with ``--enable-deterministic-inference``. Weights pushed during the call are
+        taken between two polls of its ``/generate``: the server is paused (its requests answer with the tokens so
+        far), loads them and continues, and every unfinished sample goes on from its prompt and its tokens under
+        them (a partial rollout; not through a router: see the module docstring).
         """
         self._require_weights()
         if not prompts:
             return []
         started = time.perf_counter()
-        seeds = request_seeds(params.seed, len(prompts)) if params.seed is not None else None
-        client = self.router or self.server
-        errors = []
-        for attempt in range(self.cfg.max_retries + 1):
-            if attempt:
-                time.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
+        seeds = request_seeds(params.seed, len(prompts)) if params.seed is not None else [None] * len(prompts)
+        samples = [_Sample(list(p), seed, params.max_new_tokens, self.eos_token_id) for p, seed in zip(prompts, seeds)]
+        with self._handoff.generating():
+            failure = self._generate(samples, params, started)
+        if failure is not None:  # outside the call's span: weights pushed meanwhile are loaded before we leave
+            raise self._leave(failure)
+        return [sample.generation() for sample in samples]
+
+    def _generate(self, samples: list["_Sample"], params: SamplingParams, started: float) -> str | None:
+        """Send the unfinished samples until none is left; returns None, or why the engine must leave."""
+        errors: list[str] = []
+        while True:
+            self._handoff.take()  # weights pushed while none of our requests was in flight load now
+            running = [sample for sample in samples if sample.finish is None]
+            if not running:
+                return None
+            if errors:
+                if len(errors) > self.cfg.max_retries:
+                    return f"/generate failed {len(errors)} times: {' | '.join(errors)}"
+                time.sleep(self.cfg.retry_backoff_s * 2 ** (len(errors) - 1))
             try:
-                generations = client.generate(
-                    prompts, params, [self.eos_token_id], str(self.weight_version), seeds
-                )
+                self._send(running, params, started)
             except ServerError as e:
                 errors.append(str(e))
                 broken = self._serving_error()
                 if broken is not None:
-                    raise self._leave(f"{broken} (during /generate: {e})") from e
-                continue
-            seconds = time.perf_counter() - started  # until the whole batch answered
-            return [dataclasses.replace(g, seconds=seconds) for g in generations]
-        raise self._leave(f"/generate failed {len(errors)} times: {' | '.join(errors)}")
+                    return f"{broken} (during /generate: {e})"
+
+    def _send(self, running: list["_Sample"], params: SamplingParams, started: float) -> None:
+        """One ``/generate`` of the ``running`` samples, each its prompt and tokens so far for what it has left,
+        interrupted by a weight push (see ``generate``); the samples take what it answers. ServerError when it
+        fails, or when the server aborted requests that no push interrupted (they keep what they sampled)."""
+        version = self.weight_version
+        client = self.router or self.server
+        seeds = None if running[0].seed is None else [sample.seed for sample in running]
+        answer = _in_thread(client.generate, [s.prompt + s.tokens for s in running], params, [self.eos_token_id],
+                            str(version), seeds, [s.budget - len(s.tokens) for s in running])
+        # The HTTP call has its own timeouts; this deadline also covers a server that trickles bytes.
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S + self.cfg.request_timeout_s
+        interrupted = False
+        while not futures.wait([answer], timeout=GENERATE_POLL_S).done:
+            if time.monotonic() > deadline:
+                raise ServerError(client.url, f"/generate did not answer within {self.cfg.request_timeout_s}s")
+            if self.router is None and self._handoff.take(before=self._pause):
+                interrupted = True
+                if self._paused:
+                    self._paused = False
+                    self.server.continue_generation()
+        outputs = answer.result()
+        seconds = time.perf_counter() - started
+        for sample, output in zip(running, outputs):
+            sample.extend(output, version, seconds)
+        aborted = [output.message for output in outputs if output.finish == "abort"]
+        if aborted and not interrupted:
+            raise ServerError(client.url, f"the server aborted {len(aborted)} requests: {aborted[0]}")
+
+    def _pause(self) -> None:
+        """Abort our requests in flight (each answers with its tokens so far) and hold new ones until the load is
+        done. A server that cannot be paused is left to the load, which restarts a dead one (and waits, on a server
+        without the endpoint, for the requests to finish): SGLang loads only once no request is in flight, so the
+        tokens in flight stay under the old weights either way."""
+        try:
+            self.server.pause_generation()
+            self._paused = True
+        except (ServerError, RequestRejected) as e:
+            print(f"{self.name}: /pause_generation failed, loading without it: {e}", file=sys.stderr, flush=True)
 
     def health(self) -> dict[str, Any]:
         return {**super().health(), "url": self.server.url, "server_pid": self.server_pid,
@@ -299,6 +382,51 @@ class SGLangEngine(Engine):
 
     def _log_tail(self) -> str:
         return f"last lines of {self.log_path}:\n{ray.get(self._process.log_tail.remote())}"
+
+
+class _Sample:
+    """One response across the ``/generate`` requests it took: a continuation follows every interruption."""
+
+    def __init__(self, prompt: list[int], seed: int | None, budget: int, eos_token_id: int) -> None:
+        self.prompt, self.seed, self.budget, self.eos_token_id = prompt, seed, budget, eos_token_id
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish: str | None = None  # None while it has tokens to come
+        self.seconds = 0.0
+
+    def extend(self, output: Output, version: int, seconds: float) -> None:
+        """Append what one request sampled under ``version``; an aborted one ends the sample only when it reached
+        the stop token (SGLang keeps the token of the step that took the abort) or the budget."""
+        self.tokens += output.tokens
+        self.logprobs += output.logprobs
+        self.versions += [version] * len(output.tokens)
+        if output.tokens:
+            self.seconds = seconds
+        if output.finish != "abort":
+            self.finish = output.finish
+        elif output.tokens and output.tokens[-1] == self.eos_token_id:
+            self.finish = "stop"
+        elif len(self.tokens) >= self.budget:
+            self.finish = "length"
+
+    def generation(self) -> Generation:
+        return Generation(self.tokens, self.logprobs, self.finish, self.versions[0], self.seconds,
+                          token_versions=self.versions)
+
+
+def _in_thread(call: Callable[..., Any], *args: Any) -> futures.Future:
+    """Run ``call(*args)`` in a daemon thread of its own: a poll can give up on it (a deadline) and move on."""
+    future: futures.Future = futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call(*args))
+        except BaseException as e:  # noqa: BLE001  (handed to the caller, who raises it)
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="sglang-generate", daemon=True).start()
+    return future
 
 
 def _engine_index(workdir: Path) -> int:

@@ -1,7 +1,8 @@
 """HTTP client of one SGLang server (or router): the native API that RL needs, token ids in and out.
 
 Request and response shapes follow SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py``,
-``srt/managers/io_struct.py``, ``srt/managers/tokenizer_manager.py``, ``srt/layers/sampler.py``):
+``srt/managers/io_struct.py``, ``srt/managers/tokenizer_manager.py``, ``srt/managers/scheduler.py``,
+``srt/managers/schedule_batch.py``, ``srt/layers/sampler.py``):
 
 * ``POST /generate`` with ``{"input_ids": [[int]], "sampling_params": {...} or [{...}], "return_logprob": true}``
   answers one ``{"output_ids", "meta_info"}`` per input, in order. ``meta_info.output_token_logprobs`` is
@@ -11,8 +12,17 @@ Request and response shapes follow SGLang 0.5.23 (``sglang/srt/entrypoints/http_
   answered. The log-probs are those of ``softmax(logits / temperature)`` before top-p (``log_softmax(logits)`` when
   greedy), the same distribution ``LocalEngine`` reports, unless the server runs with
   ``SGLANG_RETURN_ORIGINAL_LOGPROB``. ``sampling_seed`` is honoured only with ``--enable-deterministic-inference``.
+* ``POST /pause_generation`` with ``{"mode": "abort"}`` holds every new request until ``POST /continue_generation``
+  (``{}``), aborts every request in flight and answers once none is left (``TokenizerManager.pause_generation``).
+  An aborted ``/generate`` answers 200 like a finished one, with ``finish_reason`` ``{"type": "abort", ...}`` and
+  the ``output_ids`` / ``output_token_logprobs`` sampled so far (a running request takes one more decode step, whose
+  token it keeps, so its last token may be the stop token); a request aborted before its prefill has none
+  (``"message": "Abort before prefill"``; older versions leave out ``output_token_logprobs`` there). Aborts that
+  carry an HTTP ``status_code`` (bad input, overload) answer with that status instead.
 * ``POST /update_weights_from_disk`` with ``{"model_path", "weight_version", "flush_cache"}`` answers
-  ``{"success", "message", "num_paused_requests"}`` with status 200, or 400 when the load failed.
+  ``{"success", "message", "num_paused_requests"}`` with status 200, or 400 when the load failed. It loads once no
+  ``/generate`` is in flight (it takes ``model_update_lock`` as a writer, each ``/generate`` holds it as a reader),
+  so tokens in flight are never sampled by two sets of weights.
 * ``GET /health_generate`` is 200 once the server generated a token, 503 while it starts or is stuck (``/health``
   answers 200 without generating in 0.5.23, so it would call a wedged scheduler healthy).
 * ``GET /model_info`` gives ``{"model_path", "weight_version", "is_generation", ...}`` (``/get_model_info`` is its
@@ -21,12 +31,13 @@ Request and response shapes follow SGLang 0.5.23 (``sglang/srt/entrypoints/http_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import requests
 
-from rlfw.rollout.types import Generation, SamplingParams
+from rlfw.rollout.types import SamplingParams
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -54,52 +65,65 @@ def request_seeds(seed: int, count: int) -> list[int]:
 
 
 def generate_payload(
-    prompts: list[list[int]], params: SamplingParams, stop_token_ids: list[int], seeds: list[int] | None
+    prompts: list[list[int]],
+    params: SamplingParams,
+    stop_token_ids: list[int],
+    seeds: list[int] | None,
+    max_new_tokens: list[int] | None = None,
 ) -> dict[str, Any]:
-    """The ``/generate`` body for a batch of token-id prompts (``seeds``: one per prompt, or None)."""
-    sampling = {
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "max_new_tokens": params.max_new_tokens,
-        "stop_token_ids": list(stop_token_ids),
-    }
+    """The ``/generate`` body for a batch of token-id prompts (``seeds``: one per prompt, or None;
+    ``max_new_tokens``: one budget per prompt, for continuations that have fewer tokens left, else
+    ``params.max_new_tokens`` for all). One sampling dict serves the batch when every prompt has the same."""
+    budgets = max_new_tokens or [params.max_new_tokens] * len(prompts)
+    common = {"temperature": params.temperature, "top_p": params.top_p, "stop_token_ids": list(stop_token_ids)}
+    sampling = [dict(common, max_new_tokens=budget) for budget in budgets]
+    if seeds is not None:
+        sampling = [dict(sp, sampling_seed=seed) for sp, seed in zip(sampling, seeds)]
     return {
         "input_ids": [list(prompt) for prompt in prompts],
-        "sampling_params": sampling if seeds is None else [dict(sampling, sampling_seed=s) for s in seeds],
+        "sampling_params": sampling[0] if all(sp == sampling[0] for sp in sampling) else sampling,
         "return_logprob": True,
     }
 
 
-def parse_generations(url: str, body: Any, count: int, expected_version: str) -> list[Generation]:
-    """The generations in a ``/generate`` answer; ServerError if it is not ``count`` finished, current ones.
+@dataclass(frozen=True)
+class Output:
+    """One request's answer: the tokens it sampled and their log-probs, and how it ended: "stop", "length", or
+    "abort" (stopped part-way by a pause or an abort: the tokens it has are good, the rest is missing)."""
 
-    ``expected_version`` is the decimal string of the weight version rlfw pushed (SGLang versions are strings).
-    """
+    tokens: list[int]
+    logprobs: list[float]
+    finish: str
+    message: str = ""
+
+
+def parse_outputs(url: str, body: Any, count: int, expected_version: str) -> list[Output]:
+    """The outputs in a ``/generate`` answer; ServerError if it is not ``count`` of them, each with tokens from
+    weights ``expected_version`` (the decimal string of the version rlfw pushed: SGLang versions are strings)."""
     if not isinstance(body, list) or len(body) != count:
         got = f"{len(body)} items" if isinstance(body, list) else type(body).__name__
         raise ServerError(url, f"/generate answered {got} for {count} prompts")
-    generations = []
+    outputs = []
     for item in body:
         try:
             meta = item["meta_info"]
             finish = meta["finish_reason"] or {}
-            version = meta.get("weight_version")
-            pairs = meta["output_token_logprobs"]
+            reason = finish.get("type")
+            # Aborted before its prefill, a request has no tokens, and older versions send no log-prob list.
+            pairs = (meta.get("output_token_logprobs") or []) if reason == "abort" else meta["output_token_logprobs"]
             tokens = [int(pair[1]) for pair in pairs]
             logprobs = [float(pair[0]) for pair in pairs]
-        except (KeyError, IndexError, TypeError, ValueError) as e:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise ServerError(url, f"/generate answer lacks {e!r}: {str(item)[:300]}") from None
-        reason = finish.get("type")
-        if reason == "abort":
-            raise ServerError(url, f"the server aborted the request: {finish.get('message')}")
-        if reason not in ("stop", "length"):
+        if reason not in ("stop", "length", "abort"):
             raise ServerError(url, f"unexpected finish_reason {finish!r}")
-        if str(version) != expected_version:
-            raise ServerError(url, f"answered with weight version {version!r}, expected {expected_version!r}")
-        if not tokens:
+        if tokens and str(meta.get("weight_version")) != expected_version:
+            raise ServerError(url, f"answered with weight version {meta.get('weight_version')!r}, "
+                                   f"expected {expected_version!r}")
+        if not tokens and reason != "abort":
             raise ServerError(url, "an answer without generated tokens")
-        generations.append(Generation(tokens, logprobs, reason, weight_version=int(expected_version)))
-    return generations
+        outputs.append(Output(tokens, logprobs, reason, str(finish.get("message") or "")))
+    return outputs
 
 
 class SGLangClient:
@@ -117,11 +141,19 @@ class SGLangClient:
         stop_token_ids: list[int],
         expected_version: str,
         seeds: list[int] | None = None,
-    ) -> list[Generation]:
-        body = self._call(
-            "POST", "/generate", self.request_timeout_s, json=generate_payload(prompts, params, stop_token_ids, seeds)
-        )
-        return parse_generations(self.url, body, len(prompts), expected_version)
+        max_new_tokens: list[int] | None = None,
+    ) -> list[Output]:
+        payload = generate_payload(prompts, params, stop_token_ids, seeds, max_new_tokens)
+        body = self._call("POST", "/generate", self.request_timeout_s, json=payload)
+        return parse_outputs(self.url, body, len(prompts), expected_version)
+
+    def pause_generation(self) -> None:
+        """Abort the requests in flight (each answers with its tokens so far) and hold new ones until
+        ``continue_generation``; returns once none is in flight."""
+        self._call("POST", "/pause_generation", self.control_timeout_s, json={"mode": "abort"})
+
+    def continue_generation(self) -> None:
+        self._call("POST", "/continue_generation", self.control_timeout_s, json={})
 
     def update_weights_from_disk(self, model_path: str, version: str, timeout_s: float) -> None:
         """Load the HF checkpoint at ``model_path`` (as the server sees the filesystem) and tag it ``version``."""

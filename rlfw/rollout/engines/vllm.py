@@ -13,6 +13,10 @@ Choices, and why:
   ``LLM`` there; later updates are loaded in place with the model runner's ``reload_weights``, the prefix cache is
   dropped (its keys and values belong to the old weights) and vLLM's own weight-version label is set, which it
   reports per generated token span: ``generate`` checks it.
+* **Partial rollouts.** The actor takes a weight push beside a generate call (``WeightHandoff``): between two
+  engine steps the call aborts its requests in flight, keeps the tokens and log-probs each sampled so far, loads
+  the weights, and adds every unfinished one again as a new request whose prompt is its prompt plus those tokens,
+  for the tokens it has left, with its own seed. Each token records its version.
 * **One request per sample.** A group's samples are separate requests with the same prompt rather than one
   request with ``n``: prefix caching computes the shared prompt once anyway, and each sample gets its own
   finish time and seed, and can be retried alone on another engine.
@@ -39,6 +43,7 @@ from rlfw.megatron.hf_checkpoint import save_hf_checkpoint
 from rlfw.megatron.model import ModelShape
 from rlfw.cluster.address import interface_of, resolve
 from rlfw.rollout.engines.base import Engine
+from rlfw.rollout.engines.handoff import WeightHandoff
 from rlfw.rollout.types import Generation, SamplingParams
 
 
@@ -63,6 +68,8 @@ def vllm_environment(host: str) -> dict[str, str]:
 class VLLMEngine(Engine):
     """Samples responses with vLLM from the policy last loaded with ``update_weights``."""
 
+    supports_partial_rollout = True
+
     def __init__(
         self, shape: ModelShape, tokenizer, seed: int, workdir: str, host: str = "auto", joined: bool = False,
         kv_cache_gb: float = 0.5,
@@ -78,6 +85,7 @@ class VLLMEngine(Engine):
         self._calls = 0  # numbers the generate calls, so request ids stay unique
         self.weight_version: int | None = None
         self._llm = None
+        self._handoff = WeightHandoff()  # weights pushed during a generate call wait for its next engine step
 
     @classmethod
     def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, workdir: Path) -> dict[str, Any]:
@@ -85,27 +93,35 @@ class VLLMEngine(Engine):
                 "host": cfg.cluster.host, "joined": bool(cfg.cluster.address), "kv_cache_gb": cfg.rollout.kv_cache_gb}
 
     def update_weights(self, hf_state: dict[str, Tensor], version: int) -> None:
-        if self._llm is None:
-            model_dir = self.workdir / "model"
-            shutil.rmtree(model_dir, ignore_errors=True)  # this engine's own scratch copy, from an earlier start
-            self._start(save_hf_checkpoint(model_dir, hf_state, self.shape, self.tokenizer))
-        else:
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(hf_state.items())})
-        self._set_version(version)
+        def apply() -> None:
+            if self._llm is None:
+                model_dir = self.workdir / "model"
+                shutil.rmtree(model_dir, ignore_errors=True)  # this engine's own scratch copy, from an earlier start
+                self._start(save_hf_checkpoint(model_dir, hf_state, self.shape, self.tokenizer))
+            else:
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(hf_state.items())})
+            self._set_version(version)
+
+        self._handoff.load(apply, f"weights v{version}")
 
     def update_weights_from_dir(self, path: str, version: int) -> None:
-        if self._llm is None:
-            self._start(Path(path))
-        else:
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
-        self._set_version(version)
+        def apply() -> None:
+            if self._llm is None:
+                self._start(Path(path))
+            else:
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            self._set_version(version)
+
+        self._handoff.load(apply, f"weights v{version} from {path}")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """One response per prompt. Weights pushed during the call (a partial rollout) are taken between two engine
+        steps: the requests in flight are aborted, the weights reloaded, and each request goes on as a new one whose
+        prompt is its prompt and the tokens sampled so far, for the tokens it has left."""
         self._require_weights()
         if not prompts:
             return []
         from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.inputs import TokensPrompt
 
         sampling = [
             VLLMSamplingParams(
@@ -114,18 +130,47 @@ class VLLMEngine(Engine):
             )
             for seed in self._seeds(params).integers(0, 2**31, size=len(prompts))
         ]
-        engine = self._llm.llm_engine
         started = time.perf_counter()
-        request_ids = [f"{self._calls}-{i}" for i in range(len(prompts))]
+        requests = [_Request(f"{self._calls}-{i}", list(p), s) for i, (p, s) in enumerate(zip(prompts, sampling))]
         self._calls += 1
-        for request_id, prompt, request_params in zip(request_ids, prompts, sampling):
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), request_params)
-        finished: dict[str, tuple[Any, float]] = {}
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    finished[output.request_id] = (output, time.perf_counter() - started)
-        return [self._generation(*finished[request_id]) for request_id in request_ids]
+        with self._handoff.generating():
+            running = {self._submit(r): r for r in requests}
+            latest: dict[str, Any] = {}  # each running request's newest output (cumulative)
+            while running:
+                if self._handoff.take(before=lambda: self._interrupt(running, latest)):
+                    running = {self._submit(r): r for r in running.values() if not r.finish(started)}
+                    latest.clear()
+                    continue
+                for output in self._step():
+                    latest[output.request_id] = output
+                    if output.finished:
+                        request = running.pop(output.request_id)
+                        request.extend(output, self.weight_version)
+                        request.finish(started, output.outputs[0].finish_reason)
+        return [r.generation() for r in requests]
+
+    def _step(self) -> list:
+        """One vLLM engine step: the outputs of the requests that sampled a token."""
+        return self._llm.llm_engine.step()
+
+    def _submit(self, request: "_Request") -> str:
+        """Add ``request`` (its prompt and the tokens it has so far, for what it has left) to vLLM: its new id."""
+        from vllm.inputs import TokensPrompt
+
+        request_id = f"{request.request_id}/{request.parts}"
+        request.parts += 1
+        params = request.params.clone()
+        params.max_tokens -= len(request.tokens)
+        self._llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=request.prompt + request.tokens),
+                                         params)
+        return request_id
+
+    def _interrupt(self, running: dict[str, "_Request"], latest: dict[str, Any]) -> None:
+        """Abort the requests in flight, keeping what each sampled so far (under the weights now loaded)."""
+        self._llm.llm_engine.abort_request(list(running))
+        for request_id, request in running.items():
+            if request_id in latest:
+                request.extend(latest[request_id], self.weight_version)
 
     def _seeds(self, params: SamplingParams) -> np.random.Generator:
         """Where the requests' seeds come from: the call's seed when it has one, else the engine's own stream."""
@@ -169,13 +214,42 @@ class VLLMEngine(Engine):
         self._llm.llm_engine.set_weight_version(str(version))
         self.weight_version = version
 
-    def _generation(self, output, seconds: float) -> Generation:
+
+
+class _Request:
+    """One sample across the vLLM requests it took: a continuation follows every weight change in flight."""
+
+    def __init__(self, request_id: str, prompt: list[int], params) -> None:
+        self.request_id, self.prompt, self.params = request_id, prompt, params
+        self.parts = 0  # vLLM requests so far
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None
+        self.seconds = 0.0
+
+    def extend(self, output, version: int) -> None:
+        """Append what the vLLM request ``output`` sampled under ``version`` (its span labels must agree)."""
         [completion] = output.outputs
         tokens = list(completion.token_ids)
-        logprobs = [float(position[token].logprob) for position, token in zip(completion.logprobs, tokens)]
-        versions = {span.version for span in completion.weight_versions or []}
-        # vLLM labels every span of tokens with the weights that sampled it; a mixed response is unusable.
-        version = int(versions.pop()) if len(versions) == 1 else None
-        if completion.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"vLLM ended request {output.request_id} with {completion.finish_reason!r}")
-        return Generation(tokens, logprobs, completion.finish_reason, version, seconds)
+        spans = {int(span.version) for span in completion.weight_versions or []}
+        # vLLM labels every span of tokens with the weights that sampled it: one request, one version.
+        if spans and spans != {version}:
+            raise RuntimeError(f"vLLM request {output.request_id} reports weights {sorted(spans)}, expected v{version}")
+        self.tokens += tokens
+        self.logprobs += [float(position[token].logprob) for position, token in zip(completion.logprobs, tokens)]
+        self.versions += [version] * len(tokens)
+
+    def finish(self, started: float, reason: str | None = None) -> bool:
+        """Record the end (``reason``, or "length" when an interrupted request has no tokens left); returns whether
+        the request is done."""
+        if reason is None and len(self.tokens) < self.params.max_tokens:
+            return False
+        if (reason or "length") not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended request {self.request_id} with {reason!r}")
+        self.finish_reason, self.seconds = reason or "length", time.perf_counter() - started
+        return True
+
+    def generation(self) -> Generation:
+        return Generation(self.tokens, self.logprobs, self.finish_reason, self.versions[0], self.seconds,
+                          token_versions=self.versions)
