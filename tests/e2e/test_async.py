@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from harness import REFERENCE, STEPS, check_every_sample_once, final_model, max_abs_diff, read_jsonl
+from harness import REFERENCE, STEPS, check_every_sample_once, final_model, max_abs_diff, read_jsonl, run_rlfw
 from test_cells import CELLS2
 from test_faults import kills
 
@@ -53,8 +53,6 @@ def kill_engine_at(run_dir, step: int, killed: list) -> threading.Thread:
 
 
 def test_async_survives_a_cell_the_writer_and_the_engine_dying(tmp_path):
-    from harness import run_rlfw
-
     run_dir = tmp_path / "async_faults"
     killed: list = []
     watcher = kill_engine_at(run_dir, 3, killed)
@@ -73,3 +71,15 @@ def test_async_survives_a_cell_the_writer_and_the_engine_dying(tmp_path):
     assert rows[-1]["rollout/engine_restarts"] >= 1 and rows[-1]["rollout/engines_alive"] == 1
     events = read_jsonl(run_dir / "events.jsonl")
     assert sum(e["kind"] == "cell_failed" for e in events) == 2
+
+
+def test_async_resume_generates_the_later_rollouts_again_from_the_checkpoint(run):
+    """A checkpoint does not hold the rollouts asked for ahead: a resumed async run generates them again from the
+    checkpoint's weights, so its first step trains at staleness 0 and the next ones at 1, and every step of the run
+    is trained once, on its own samples."""
+    common = ["dp=cells", "loop=async", "loop.max_staleness=1", "checkpoint.interval=2", "ft.verify_weights_every=1"]
+    run_dir = run("first", *common, "num_steps=4")
+    run_rlfw(run_dir, *common, "num_steps=7", "resume=auto")
+    check_every_sample_once(run_dir, steps=7)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["loop/staleness_max"] for r in rows] == [0, 1, 1, 1, 0, 1, 1]
