@@ -72,6 +72,7 @@ class EnginePool:
         # The weights every engine must hold: (object ref, version); None before the first update.
         self._weights: tuple[ray.ObjectRef, int] | None = None
         self._lock = threading.RLock()  # engines, restarts and weights, between the generate and weights threads
+        self._closing = False  # set by shutdown: no engine is replaced any more
         # Engine seconds spent in generate calls: finished calls, and the start of each engine's call under way.
         self._busy_total = 0.0
         self._busy_since: dict[int, float] = {}
@@ -181,15 +182,17 @@ class EnginePool:
             self._busy_total += time.monotonic() - self._busy_since.pop(index)
 
     def shutdown(self) -> None:
-        """Let every live engine release what it started, then end the actors."""
+        """Let every live engine release what it started, then end the actors. A generate call still under way in
+        another thread (a rollout asked for ahead, in loop=async) fails instead of replacing them."""
         with self._lock:
+            self._closing = True
             engines = [self.engines[index] for index in self._serving()]
         calls = [engine.shutdown.remote() for engine in engines]
         for engine, call in zip(engines, calls):
             try:
-                ray.get(call)
-            except RayActorError:
-                pass  # already dead: nothing left to release
+                ray.get(call, timeout=self.call_timeout_s)
+            except (RayActorError, GetTimeoutError):
+                pass  # dead or hung: the kill below ends it
             ray.kill(engine)
 
     def _check_version(self, index: int, generation: Generation, min_version: int) -> None:
@@ -206,6 +209,8 @@ class EnginePool:
         other thread has replaced ``failed`` already, nothing more happens: that replacement loaded the weights the
         pool held then, which ``update_weights`` sets under the same lock before it reaches any engine."""
         with self._lock:
+            if self._closing:
+                raise RuntimeError(f"rollout engine {index} stopped: the engine pool is shutting down") from cause
             if self.engines[index] is not failed:
                 return self.engines[index] is not None
             return self._replace(index, cause)
