@@ -97,7 +97,11 @@ class RolloutQueue:
             ready_set = set(ready)
             for s in later:
                 if self._calls[s] in ready_set:
-                    self._done[s] = ray.get(self._calls.pop(s))
+                    try:
+                        self._done[s] = ray.get(self._calls[s])
+                    except Exception:  # noqa: BLE001  (that step's own take raises it)
+                        continue
+                    del self._calls[s]
         return sum(len(r["batch"]) for s, r in self._done.items() if s > step)
 
     def utilisation(self, trainer_seconds: float, num_engines: int) -> Dict[str, float]:
@@ -112,6 +116,8 @@ class RolloutQueue:
     def drain(self) -> None:
         """Wait for every rollout asked for (their errors ignored) and forget them: before the weights go back to
         an older version (a restore), whose generation must not mix with what was asked for from newer ones."""
+        for call in self._calls.values():
+            ray.cancel(call)  # a call still queued behind another never runs; the one running finishes
         deadline = time.monotonic() + self.timeout_s
         for call in self._calls.values():
             try:

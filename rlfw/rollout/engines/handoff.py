@@ -34,6 +34,9 @@ class WeightHandoff:
             done, errors = threading.Event(), []
             self._pending = (apply, done, errors)
         if not done.wait(self.timeout_s):
+            with self._lock:
+                if self._pending is not None and self._pending[1] is done:
+                    self._pending = None  # withdrawn: a call that wakes later must not load them behind our back
             raise TimeoutError(f"the generate call under way did not take {what} within {self.timeout_s:g} s")
         if errors:
             raise errors[0]

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rlfw.rollout.types import Generation, SamplingParams
 
@@ -106,7 +106,9 @@ class EnginePool:
         for index, call in calls.items():
             try:
                 ray.get(call, timeout=self.call_timeout_s)
-            except (RayActorError, GetTimeoutError) as e:
+            except (RayActorError, RayTaskError, GetTimeoutError) as e:
+                # dead, hung, or its load failed (a handoff that timed out included): a fresh engine loads them, and
+                # the same load failing there is the run's error
                 self._restart(index, e, engines[index])
 
     def health(self, timeout_s: float) -> list[dict[str, Any]]:
@@ -144,12 +146,18 @@ class EnginePool:
         while pending or inflight:
             while idle and pending:
                 index = idle.popleft()
-                chunk = [pending.popleft() for _ in range(min(chunk_size, len(pending)))]
                 with self._lock:
                     engine = self.engines[index]
+                    if engine is None:  # retired by the weights thread meanwhile
+                        continue
                     self._busy_since[index] = time.monotonic()
+                chunk = [pending.popleft() for _ in range(min(chunk_size, len(pending)))]
                 call = engine.generate.remote([requests[i] for i in chunk], chunk_params(params, chunk))
                 inflight[call] = (index, engine, chunk, time.monotonic() + self.call_timeout_s)
+            if not inflight:  # requests left and no engine to serve them: the others were retired meanwhile
+                raise EngineRestartsExhausted(
+                    f"no rollout engine is left to serve {len(pending)} requests: the rollout.max_engine_restarts="
+                    f"{self.max_restarts} restarts are used up")
             first_deadline = min(deadline for *_, deadline in inflight.values())
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=max(0.0, first_deadline - time.monotonic()))
             if not ready:  # the oldest call is past its deadline: its engine hangs

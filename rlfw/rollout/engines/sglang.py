@@ -254,10 +254,11 @@ class SGLangEngine(Engine):
         done. A server that cannot be paused is left to the load, which restarts a dead one (and waits, on a server
         without the endpoint, for the requests to finish): SGLang loads only once no request is in flight, so the
         tokens in flight stay under the old weights either way."""
-        try:
+        self._paused = True  # continued after the load unless the server refused the pause outright: a pause that
+        try:  # timed out on our side may still have paused it
             self.server.pause_generation()
-            self._paused = True
         except (ServerError, RequestRejected) as e:
+            self._paused = not isinstance(e, RequestRejected)
             print(f"{self.name}: /pause_generation failed, loading without it: {e}", file=sys.stderr, flush=True)
 
     def health(self) -> dict[str, Any]:

@@ -161,6 +161,8 @@ class VLLMEngine(Engine):
         request.parts += 1
         params = request.params.clone()
         params.max_tokens -= len(request.tokens)
+        if request.parts > 1 and params.seed is not None:  # a continuation: fresh draws, not the first tokens' again
+            params.seed = int(np.random.SeedSequence([params.seed, len(request.tokens)]).generate_state(1)[0] >> 1)
         self._llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=request.prompt + request.tokens),
                                          params)
         return request_id
