@@ -70,3 +70,25 @@ class Generation:
         if self.token_versions is not None:
             return list(self.token_versions)
         return [self.weight_version] * len(self.response_ids)
+
+
+class PartialResponse:
+    """A response put together from the requests it took: a partial rollout continues it, after each weight change
+    in flight, as a new request from its prompt and the tokens so far. The engines that do so (vLLM, SGLang) record
+    each piece here, with the version that sampled it."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None  # None while tokens are to come
+        self.seconds = 0.0
+
+    def add(self, tokens: list[int], logprobs: list[float], version: int) -> None:
+        self.tokens += tokens
+        self.logprobs += logprobs
+        self.versions += [version] * len(tokens)
+
+    def generation(self) -> Generation:
+        return Generation(self.tokens, self.logprobs, self.finish_reason, self.versions[0], self.seconds,
+                          token_versions=self.versions)

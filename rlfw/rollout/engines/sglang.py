@@ -66,7 +66,7 @@ from rlfw.rollout.engines.sglang_client import (
     request_seeds,
 )
 from rlfw.rollout.engines.sglang_server import ServerProcess, launch_argv
-from rlfw.rollout.types import Generation, SamplingParams
+from rlfw.rollout.types import Generation, PartialResponse, SamplingParams
 
 HEALTH_POLL_S = 1.0
 GENERATE_POLL_S = 0.05  # how often a generate call looks for a weight push while its /generate runs
@@ -206,7 +206,7 @@ class SGLangEngine(Engine):
         errors: list[str] = []
         while True:
             self._handoff.take()  # weights pushed while none of our requests was in flight load now
-            running = [sample for sample in samples if sample.finish is None]
+            running = [sample for sample in samples if sample.finish_reason is None]
             if not running:
                 return None
             if errors:
@@ -385,35 +385,25 @@ class SGLangEngine(Engine):
         return f"last lines of {self.log_path}:\n{ray.get(self._process.log_tail.remote())}"
 
 
-class _Sample:
+class _Sample(PartialResponse):
     """One response across the ``/generate`` requests it took: a continuation follows every interruption."""
 
     def __init__(self, prompt: list[int], seed: int | None, budget: int, eos_token_id: int) -> None:
+        super().__init__()
         self.prompt, self.seed, self.budget, self.eos_token_id = prompt, seed, budget, eos_token_id
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.finish: str | None = None  # None while it has tokens to come
-        self.seconds = 0.0
 
     def extend(self, output: Output, version: int, seconds: float) -> None:
         """Append what one request sampled under ``version``; an aborted one ends the sample only when it reached
         the stop token (SGLang keeps the token of the step that took the abort) or the budget."""
-        self.tokens += output.tokens
-        self.logprobs += output.logprobs
-        self.versions += [version] * len(output.tokens)
+        self.add(output.tokens, output.logprobs, version)
         if output.tokens:
             self.seconds = seconds
         if output.finish != "abort":
-            self.finish = output.finish
+            self.finish_reason = output.finish
         elif output.tokens and output.tokens[-1] == self.eos_token_id:
-            self.finish = "stop"
+            self.finish_reason = "stop"
         elif len(self.tokens) >= self.budget:
-            self.finish = "length"
-
-    def generation(self) -> Generation:
-        return Generation(self.tokens, self.logprobs, self.finish, self.versions[0], self.seconds,
-                          token_versions=self.versions)
+            self.finish_reason = "length"
 
 
 def _in_thread(call: Callable[..., Any], *args: Any) -> futures.Future:

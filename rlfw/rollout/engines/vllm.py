@@ -44,7 +44,7 @@ from rlfw.megatron.model import ModelShape
 from rlfw.cluster.address import interface_of, resolve
 from rlfw.rollout.engines.base import Engine
 from rlfw.rollout.engines.handoff import WeightHandoff
-from rlfw.rollout.types import Generation, SamplingParams
+from rlfw.rollout.types import Generation, PartialResponse, SamplingParams
 
 
 def vllm_environment(host: str) -> dict[str, str]:
@@ -218,17 +218,13 @@ class VLLMEngine(Engine):
 
 
 
-class _Request:
+class _Request(PartialResponse):
     """One sample across the vLLM requests it took: a continuation follows every weight change in flight."""
 
     def __init__(self, request_id: str, prompt: list[int], params) -> None:
+        super().__init__()
         self.request_id, self.prompt, self.params = request_id, prompt, params
         self.parts = 0  # vLLM requests so far
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.finish_reason: str | None = None
-        self.seconds = 0.0
 
     def extend(self, output, version: int) -> None:
         """Append what the vLLM request ``output`` sampled under ``version`` (its span labels must agree)."""
@@ -238,9 +234,8 @@ class _Request:
         # vLLM labels every span of tokens with the weights that sampled it: one request, one version.
         if spans and spans != {version}:
             raise RuntimeError(f"vLLM request {output.request_id} reports weights {sorted(spans)}, expected v{version}")
-        self.tokens += tokens
-        self.logprobs += [float(position[token].logprob) for position, token in zip(completion.logprobs, tokens)]
-        self.versions += [version] * len(tokens)
+        self.add(tokens, [float(position[token].logprob) for position, token in zip(completion.logprobs, tokens)],
+                 version)
 
     def finish(self, started: float, reason: str | None = None) -> bool:
         """Record the end (``reason``, or "length" when an interrupted request has no tokens left); returns whether
@@ -251,7 +246,3 @@ class _Request:
             raise RuntimeError(f"vLLM ended request {self.request_id} with {reason!r}")
         self.finish_reason, self.seconds = reason or "length", time.perf_counter() - started
         return True
-
-    def generation(self) -> Generation:
-        return Generation(self.tokens, self.logprobs, self.finish_reason, self.versions[0], self.seconds,
-                          token_versions=self.versions)
