@@ -31,7 +31,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096, help="the longest sequence and the base token budget")
     parser.add_argument("--budgets", default="8192,16384", help="larger token budgets per micro-batch to time")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--skip", default="", help="comma-separated: check,head,before,variants,bare,profile")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated: check,head,before,variants,bare,profile,recompute")
     parser.add_argument("--head-tokens", default="8192,16384,32768,65536", help="token counts of the head's own rows")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -128,6 +129,18 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 results.failed(f"profile {name}", exc)
+
+    # Selective recompute of the MLP (model.recompute=selective): Megatron reads it when it builds the layers, so it
+    # takes a trainer of its own, built after the first is freed (its peak memory must not count the first's).
+    if "recompute" not in skip:
+        trainer = best_rows = None
+        setup.free()
+        trainer = setup.build_trainer(shape, device, bf16=not dry, budget=seq, recompute="selective")
+        for chunk in (trainer.algo.head_chunk_tokens, 1024):
+            trainer.algo.head_chunk_tokens = chunk
+            for budget in budgets[1:]:
+                timed(f"rlfw step packed {budget}, MLP recompute, head chunk {chunk}", rlfw(budget, "packed"),
+                      "packed", budget=budget)
 
     print()
     if rate:

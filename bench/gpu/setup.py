@@ -26,12 +26,14 @@ def init_world(device: torch.device) -> None:
     parallel_state.initialize_model_parallel(1, 1)
 
 
-def build_trainer(shape, device: torch.device, bf16: bool, budget: int, attention: str = "sdpa"):
+def build_trainer(shape, device: torch.device, bf16: bool, budget: int, attention: str = "sdpa",
+                  recompute: str = "none"):
+    """``recompute``: ``model.recompute`` (``selective`` recomputes the MLP, as its default modules say)."""
     from rlfw.megatron.policy import PolicyTrainer
 
     algo = AlgoConfig(name="grpo", lr=1e-6, adam_beta2=0.999, clip_eps_high=0.28, max_tokens_per_microbatch=budget)
     return PolicyTrainer(shape, algo, tp=1, temperature=1.0, device=device, init_seed=0, bf16=bf16,
-                         core_attention=attention)
+                         core_attention=attention, recompute=recompute)
 
 
 def adam_groups(trainer) -> list[dict]:

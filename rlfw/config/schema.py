@@ -120,6 +120,10 @@ class ModelConfig:
     rope_scaling_factor: float | None = None  # Llama 3.x RoPE scaling factor (HF rope_type llama3); None = plain RoPE
     init_seed: int = 1234  # random initialisation (without hf_path)
     bf16: bool = True  # CUDA only: bf16 weights and activations, fp32 grads and master weights; CPU runs fp32
+    # Activation recompute (memory for time; the math is unchanged): none | selective (recompute_modules, a subset
+    # of mlp, core_attn) | full (every layer's forward again in the backward). BENCHMARKS.md has the cost on a GPU.
+    recompute: str = "none"
+    recompute_modules: List[str] = field(default_factory=lambda: ["mlp"])
 
 
 @dataclass

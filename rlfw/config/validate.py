@@ -14,6 +14,7 @@ from rlfw.cluster.address import AddressError, check_rule
 from rlfw.cluster.labels import parse_labels
 from rlfw.config.schema import RLConfig
 from rlfw.ft.faults import CELL_ONLY_PHASES
+from rlfw.megatron.model import RECOMPUTE, RECOMPUTE_MODULES
 
 
 class ConfigError(ValueError):
@@ -123,6 +124,12 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
             f"model.num_query_groups={cfg.model.num_query_groups} must divide "
             f"model.num_attention_heads={cfg.model.num_attention_heads}"
         )
+    _choice("model.recompute", cfg.model.recompute, RECOMPUTE)
+    if cfg.model.recompute == "selective" and (
+        not cfg.model.recompute_modules or set(cfg.model.recompute_modules) - set(RECOMPUTE_MODULES)
+    ):
+        raise ConfigError(f"model.recompute_modules={list(cfg.model.recompute_modules)} must be a non-empty subset "
+                          f"of {list(RECOMPUTE_MODULES)} with model.recompute=selective")
 
     _validate_algo_options(cfg)
     _positive("algo.lr", cfg.algo.lr)

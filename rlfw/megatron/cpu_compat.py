@@ -99,6 +99,14 @@ def apply_cpu_compat() -> bool:
 
     mcore_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
+    # Activation recompute (``model.recompute``) saves and restores the CUDA RNG state around each recomputed
+    # forward; there is no CUDA generator, and the CPU one is saved beside it (torch.get_rng_state).
+    # tests/megatron/test_recompute.py runs every recompute mode through this.
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mcore_random._set_cuda_rng_state = lambda *a, **k: None
+
     # dist_checkpointing's file writer stages tensors to the host and then calls torch.cuda.synchronize(); CPU
     # tensors are already there.
     from megatron.core.dist_checkpointing.strategies import filesystem_async

@@ -106,7 +106,7 @@ class ValueTrainer:
 
     def __init__(
         self, shape: ModelShape, algo, critic, tp: int, device: torch.device, init_seed: int, bf16: bool = False,
-        core_attention: str = "auto",
+        core_attention: str = "auto", recompute: str = "none", recompute_modules=("mlp",),
     ):
         from megatron.core import tensor_parallel
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -114,7 +114,8 @@ class ValueTrainer:
 
         self.shape, self.algo, self.critic, self.device = shape, algo, critic, device
         self.bf16 = bf16 and device.type == "cuda"
-        self.config = transformer_config(shape, tp=tp, bf16=self.bf16)
+        self.config = transformer_config(shape, tp=tp, bf16=self.bf16, recompute=recompute,
+                                         recompute_modules=recompute_modules)
         # With init_from_policy the trunk draws the policy's random initial weights (same seed, same draw order);
         # otherwise a seed of its own. Either way every rank and cell builds identical weights.
         seed = init_seed if critic.init_from_policy else init_seed + 1

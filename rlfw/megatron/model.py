@@ -41,7 +41,33 @@ class ModelShape:
             self.head_dim = self.hidden_size // self.num_attention_heads
 
 
-def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool = False):
+RECOMPUTE = ("none", "selective", "full")
+# Megatron's selective recompute modules of a dense layer on the local spec. Its "layernorm" recompute is left out:
+# its CheckpointWithoutOutput reads Transformer Engine's FP8 state (megatron-core 0.16.1 and 0.19.2 raise NameError
+# without TE), and the local spec runs without TE.
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+
+
+def recompute_options(recompute: str = "none", modules=("mlp",)) -> dict:
+    """TransformerConfig's activation-recompute fields. ``selective``: Megatron keeps only the inputs of
+    ``modules`` and runs them again in the backward (``mlp``: fc1, SwiGLU and fc2, whose activations are most of a
+    layer's; ``core_attn``: Megatron's unfused attention and its scores; the flash kernel keeps no scores, so there
+    it saves nothing). ``full``: only each layer's input is kept, its whole forward runs again. The math is the same
+    with and without: only memory and time change (``tests/megatron/test_recompute.py``)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
+    if recompute == "none":
+        return {}
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
+    if unknown or not modules:
+        raise ValueError(f"recompute_modules must be a non-empty subset of {RECOMPUTE_MODULES}, not {list(modules)}")
+    return {"recompute_granularity": "selective", "recompute_modules": list(modules)}
+
+
+def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool = False, recompute: str = "none",
+                       recompute_modules=("mlp",)):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = not torch.cuda.is_available()
@@ -74,6 +100,7 @@ def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool =
         # Megatron must neither divide by the number of micro-batches nor average gradients over DP ranks.
         calculate_per_token_loss=True,
         sequence_parallel=False,
+        **recompute_options(recompute, recompute_modules),
     )
 
 

@@ -23,7 +23,8 @@ class PolicyTrainer:
 
     def __init__(
         self, shape: ModelShape, algo, tp: int, temperature: float, device: torch.device, init_seed: int,
-        bf16: bool = False, core_attention: str = "auto",
+        bf16: bool = False, core_attention: str = "auto", recompute: str = "none",
+        recompute_modules=("mlp",),
     ):
         from megatron.core import tensor_parallel
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -35,7 +36,8 @@ class PolicyTrainer:
         # bf16 (CUDA only): bf16 weights and activations; DDP keeps fp32 main grads (grad_reduce_in_fp32) and the
         # mixed-precision optimizer fp32 master weights and Adam state. On CPU the flag is ignored (fp32 throughout).
         self.bf16 = bf16 and device.type == "cuda"
-        self.config = transformer_config(shape, tp=tp, bf16=self.bf16)
+        self.config = transformer_config(shape, tp=tp, bf16=self.bf16, recompute=recompute,
+                                         recompute_modules=recompute_modules)
         # Same seed on every rank and cell: identical initial weights everywhere, whatever the parallel layout
         # (CPU initialisation builds the full weight and slices it per TP rank).
         torch.manual_seed(init_seed)

@@ -128,12 +128,15 @@ class TrainerWorker:
             self.sync.restore(self.cursor["optimizer_steps"])
         return self.sync.replica_id
 
+    def _recompute(self) -> Dict[str, Any]:
+        return {"recompute": self.cfg.model.recompute, "recompute_modules": list(self.cfg.model.recompute_modules)}
+
     def _setup_policy(self, device: torch.device) -> None:
         from rlfw.megatron.policy import PolicyTrainer
 
         self.trainer = PolicyTrainer(
             self.shape, self.cfg.algo, tp=self.cfg.dp.tp, temperature=self.cfg.rollout.temperature, device=device,
-            init_seed=self.cfg.model.init_seed, bf16=self.cfg.model.bf16,
+            init_seed=self.cfg.model.init_seed, bf16=self.cfg.model.bf16, **self._recompute(),
         )
         if self.cfg.model.hf_path:  # the checkpoint replaces the random init, in the frozen reference too
             from rlfw.megatron.hf_checkpoint import load_hf_weights
@@ -148,7 +151,7 @@ class TrainerWorker:
         critic = self.cfg.algo.critic
         self.trainer = ValueTrainer(
             self.shape, self.cfg.algo, critic, tp=self.cfg.dp.tp, device=device, init_seed=self.cfg.model.init_seed,
-            bf16=self.cfg.model.bf16,
+            bf16=self.cfg.model.bf16, **self._recompute(),
         )
         if self.cfg.model.hf_path and critic.init_from_policy:
             self.trainer.load_hf_policy(self.cfg.model.hf_path)
