@@ -14,13 +14,18 @@ OUT = ROOT / "outputs" / "bench"
 
 
 def run_training(name: str, overrides: Sequence[str], timeout_s: float = 1800) -> Dict:
-    """Returns {"run_dir", "rows" (metrics.jsonl), "events", "wall_s", "first_step_s"} of one run."""
+    """Returns {"run_dir", "rows" (metrics.jsonl), "events", "wall_s", "first_step_s"} of one run. Its stderr (the
+    workers' logs too) goes to ``outputs/bench/<name>.stderr.log``: a pipe nobody reads while the run goes on would
+    fill and stall the run."""
     run_dir = OUT / name
     if run_dir.exists():
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     cmd = [sys.executable, "-m", "rlfw.train", f"run_dir={run_dir}", *overrides]
     started = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stderr_path = OUT / f"{name}.stderr.log"
+    stderr_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     first_step_s = None
     metrics = run_dir / "metrics.jsonl"
     while proc.poll() is None:
@@ -32,7 +37,7 @@ def run_training(name: str, overrides: Sequence[str], timeout_s: float = 1800) -
             raise TimeoutError(f"{name} ran past {timeout_s} s")
     wall_s = time.time() - started
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr.read()[-3000:]}")
+        raise RuntimeError(f"{name} failed ({proc.returncode}): {' '.join(cmd)}\n{stderr_path.read_text()[-3000:]}")
     return {
         "run_dir": run_dir,
         "rows": read_jsonl(metrics),
