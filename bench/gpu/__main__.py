@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="8192,16384", help="larger token budgets per micro-batch to time")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", default="",
-                        help="comma-separated: check,head,before,variants,bare,profile,recompute")
+                        help="comma-separated: check,head,before,variants (unfused: its SwiGLU row),bare,profile,recompute")
     parser.add_argument("--head-tokens", default="8192,16384,32768,65536", help="token counts of the head's own rows")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -100,10 +100,11 @@ def main() -> None:
     # trainer runs each variant and is set back after it.
     if "variants" not in skip and not dry:
         config = trainer.config
-        config.bias_activation_fusion = False
-        timed(f"rlfw step packed {budgets[-1]}, unfused SwiGLU", rlfw(budgets[-1], "packed"), "packed",
-              budget=budgets[-1])
-        config.bias_activation_fusion = True
+        if "unfused" not in skip:
+            config.bias_activation_fusion = False
+            timed(f"rlfw step packed {budgets[-1]}, unfused SwiGLU", rlfw(budgets[-1], "packed"), "packed",
+                  budget=budgets[-1])
+            config.bias_activation_fusion = True
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
         timed(f"rlfw step packed {budgets[-1]}, full recompute", rlfw(budgets[-1], "packed"), "packed",
               budget=budgets[-1])
