@@ -3,6 +3,11 @@
 
     .venv/bin/python bench/bench_async.py [--steps 200] [--seeds 1 2 3] [--staleness 1] [--name async] [-- overrides...]
     .venv/bin/python bench/bench_async.py --merge outputs/bench/a.json outputs/bench/b.json   # one table of several
+    .venv/bin/python bench/bench_async.py --collect --seeds 1 --name a     # the table of runs already made
+
+``--collect`` reads the runs' ``metrics.jsonl`` that a run of the same ``--name`` and ``--seeds`` left in
+``outputs/bench/`` instead of running them (wall time then unknown): for runs whose process was stopped after
+training, e.g. by a machine's time limit during shutdown.
 
 ``--merge`` prints the tables of several result files as one (seeds run by separate processes at the same time, on a
 machine with cores to spare: every sync run then shares the machine with the others, as every async run does).
@@ -21,7 +26,7 @@ import json
 import statistics
 from pathlib import Path
 
-from runner import OUT, run_training, table
+from runner import OUT, read_jsonl, run_training, table
 
 WINDOW = 10
 
@@ -48,14 +53,17 @@ def summarise(rows: list[dict], target: float) -> dict:
 
 
 def run(args) -> dict[str, list[dict]]:
-    """Both modes for every seed, interleaved; the summaries of each run."""
+    """Both modes for every seed, interleaved; the summaries of each run (``--collect``: of the runs on disk)."""
     modes = {"sync": ["loop=sync"], "async": ["loop=async", f"loop.max_staleness={args.staleness}"]}
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for seed in args.seeds:
         for mode, overrides in modes.items():
-            result = run_training(f"{args.name}_{mode}_seed{seed}",
-                                  [f"num_steps={args.steps}", f"seed={seed}", "logger=jsonl", *overrides,
-                                   *args.overrides])
+            name = f"{args.name}_{mode}_seed{seed}"
+            if args.collect:
+                result = {"rows": read_jsonl(OUT / name / "metrics.jsonl"), "wall_s": None}
+            else:
+                result = run_training(name, [f"num_steps={args.steps}", f"seed={seed}", "logger=jsonl", *overrides,
+                                             *args.overrides])
             runs[mode].append({"seed": seed, "wall_s": result["wall_s"], **summarise(result["rows"], args.target)})
     return runs
 
@@ -99,6 +107,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--name", default="async", help="run directories and the result file are named after it")
     parser.add_argument("--merge", nargs="+", help="result files to print as one table (nothing is run)")
+    parser.add_argument("--collect", action="store_true", help="summarise the runs on disk (nothing is run)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = parser.parse_args()
     if args.merge:

@@ -7,8 +7,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 from bench.gpu.model import DATASHEET_BF16, model_flops
 
 
@@ -40,7 +38,8 @@ class Results:
             mfu=full / step / self.rate if self.rate else None,
             mfu_causal=causal / step / self.rate if self.rate else None,
             mfu_datasheet=full / step / DATASHEET_BF16,
-            peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+            peak_mem_gib=max((t[k] for t in timings for k in t if k.endswith("peak_gib")), default=None),
+            **{k: max(t[k] for t in timings) for k in timings[0] if k.endswith("_gib")},
             loss=timings[-1].get("loss"), **extra,
         )
         mfu = f", {100 * row['mfu']:.1f}% of the matmul rate" if self.rate else ""
@@ -61,9 +60,10 @@ class Results:
             rows.append([r["name"], r["tokens"], round(r["step_s"] * 1e3, 1), round(r["fwd_bwd_s"] * 1e3, 1),
                          round(r["reduce_s"] * 1e3, 1), round(r["optim_s"] * 1e3, 1), round(r["spread_s"] * 1e3, 1),
                          round(r["tokens_per_s"]), _percent(r["mfu"]), _percent(r["mfu_causal"]),
-                         round(r["peak_mem_gib"], 1) if r["peak_mem_gib"] else "-"])
+                         *(round(r[k], 1) if r.get(k) else "-"
+                           for k in ("peak_mem_gib", "rest_gib", "fwd_bwd_peak_gib", "optim_peak_gib"))])
         return table(["run", "tokens", "step ms", "fwd+bwd ms", "reduce ms", "optim ms", "spread ms", "tok/s",
-                      "% matmul", "% matmul causal", "GiB"], rows)
+                      "% matmul", "% matmul causal", "GiB", "GiB at rest", "GiB fwd+bwd", "GiB optim"], rows)
 
     def write_summary(self) -> None:
         (self.out_dir / "bench_gpu.json").write_text(json.dumps(self.rows, indent=1, default=str))

@@ -20,15 +20,24 @@ def sync(device: torch.device) -> None:
 
 
 def _phases(device, zero, fwd_bwd, reduce, optimize) -> dict:
-    marks = []
-    for phase in (zero, fwd_bwd, reduce, optimize):
+    """Seconds per phase; on CUDA also the memory held at the step's start (``rest_gib``: weights, grads, optimizer
+    state) and each phase's peak (``<phase>_peak_gib``), so that a peak can be told from the state beneath it."""
+    marks, memory = [], {}
+    names = ("zero", "fwd_bwd", "reduce", "optim")
+    cuda = device.type == "cuda"
+    for name, phase in zip(names, (zero, fwd_bwd, reduce, optimize)):
         sync(device)
         marks.append(time.perf_counter())
+        if cuda:
+            memory.setdefault("rest_gib", torch.cuda.memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
         phase()
+        if cuda:
+            memory[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     sync(device)
     marks.append(time.perf_counter())
-    names = ("zero_s", "fwd_bwd_s", "reduce_s", "optim_s")
-    return {"step_s": marks[-1] - marks[0], **{n: b - a for n, a, b in zip(names, marks, marks[1:])}}
+    return {"step_s": marks[-1] - marks[0], **{f"{n}_s": b - a for n, a, b in zip(names, marks, marks[1:])},
+            **memory}
 
 
 def rlfw_step(trainer, batch, device) -> dict:
