@@ -19,6 +19,7 @@ from ray.exceptions import GetTimeoutError
 from rlfw.algo import algo_options
 from rlfw.algo.advantages import compute_advantages
 from rlfw.algo.gae import explained_variance, returns
+from rlfw.algo.losses import old_logprobs_from_training
 from rlfw.algo.nonfinite import nonfinite_advantages, skipped_steps, verdict
 from rlfw.data.batch import EagerParts, RolloutBatch, split_batch
 from rlfw.data.partition import strided_partition
@@ -89,7 +90,7 @@ def plan_split(minibatches: List[RolloutBatch], split, num_replicas: int):
     return ray.put(minibatches)
 
 
-def step_metrics(batch: RolloutBatch, results: Dict[int, List[Dict[str, Any]]], prefix: str) -> Dict[str, float]:
+def step_metrics(results: Dict[int, List[Dict[str, Any]]], prefix: str) -> Dict[str, float]:
     """Loss and per-replica batch sizes of one RL step (``results``: replica -> committed minibatch stats)."""
     m: Dict[str, float] = {}
     sums: Dict[str, float] = {}
@@ -113,9 +114,8 @@ def step_metrics(batch: RolloutBatch, results: Dict[int, List[Dict[str, Any]]], 
     norms = [s["grad_norm"] for steps in results.values() for s in steps if s.get("grad_norm") is not None]
     if norms:
         m["train/grad_norm"] = float(np.mean(norms))
-    diffs = [abs(a - b) for old, new in zip(batch.samples["rollout_logprobs"], batch.samples["old_logprobs"])
-             for a, b in zip(old, new)]
-    m["rollout/logprob_abs_diff"] = float(np.mean(diffs)) if diffs else 0.0
+    # |proximal - behaviour| log-prob per token, weighed as the loss weighs tokens (policy_loss's diagnostic)
+    m["rollout/logprob_abs_diff"] = m.pop("train/logprob_abs_diff", 0.0)
     return m
 
 
@@ -205,7 +205,8 @@ def prepare_step(cfg, group, critic, queue: RolloutQueue, loggers, step: int, ve
     """Take step ``step``'s rollout, attach the trainers' log-probs (and the critic's values) and the advantages:
     the step as it will train (nothing committed yet), or None when the step is skipped (logged). The trainers hold
     version ``version``: their log-probs are the proximal policy's, the engines' (``rollout_logprobs``) the
-    behaviour policy's (``algo.tis_cap`` weighs one against the other)."""
+    behaviour policy's (``algo.tis_cap`` weighs one against the other). With one optimizer step per rollout the
+    training forward computes the proximal log-probs itself, and no pass runs here (``old_logprobs_from_training``)."""
     rollout = queue.take(step)
     batch: RolloutBatch = rollout["batch"]
     metrics = dict(rollout["stats"])
@@ -218,7 +219,8 @@ def prepare_step(cfg, group, critic, queue: RolloutQueue, loggers, step: int, ve
         loggers.log(metrics, step)
         return None
     t1 = time.perf_counter()
-    batch = attach_logprobs(group, batch)
+    if not old_logprobs_from_training(cfg.algo, len(batch.minibatches(cfg.algo.global_batch_size))):
+        batch = attach_logprobs(group, batch)
     if critic is not None:  # the critic's pre-update phase attaches its values (old_values) the same way
         batch = attach_logprobs(critic, batch)
     metrics["time/logprobs"] = time.perf_counter() - t1
@@ -294,7 +296,7 @@ def train_step(cfg, group, critic, manager, queue: RolloutQueue, loggers, meter:
     ledger.write(json.dumps({**record, **critic_record}) + "\n")
     metrics["time/weight_sync"] = wait_for(manager.update_weights.remote(group.export_weights(), version + 1), cfg,
                                            f"step {step}'s weight push")
-    metrics.update(step_metrics(batch, results, group.metric_prefix))
+    metrics.update(step_metrics(results, group.metric_prefix))
     metrics.update(group.step_info())
     log_events(loggers, meter, step, group.drain_events())
     metrics.update({"time/train": t3 - t2, "time/step": time.perf_counter() - t0,

@@ -42,9 +42,18 @@ def needs_reference(algo: AlgoConfig) -> bool:
     return algo.kl_loss_coef > 0 or algo.kl_reward_coef > 0
 
 
+def old_logprobs_from_training(algo: AlgoConfig, num_minibatches: int) -> bool:
+    """Whether the training forward's own log-probs (detached) serve as the old (proximal) policy's, with no
+    separate pass before training (``algo.old_logprobs=auto``). They are the same values whenever the rollout is
+    trained in one optimizer step: every micro-batch's forward runs on the weights the pass would have used. A
+    rollout split into several minibatches needs the pass (the later ones train on moved weights), and so does a
+    KL term (the reference model's log-probs come from the same pass)."""
+    return algo.old_logprobs == "auto" and num_minibatches == 1 and not needs_reference(algo)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     weights: torch.Tensor,
     algo: AlgoConfig,
@@ -59,6 +68,7 @@ def policy_loss(
 
     with r = exp(logprobs - old_logprobs) and tis = min(exp(old_logprobs - rollout_logprobs), tis_cap), a constant
     weight that corrects for the engine sampling from a slightly different distribution than the trainer's.
+    ``old_logprobs`` None: the old policy is the current one (``old_logprobs_from_training``), r = 1 in value.
 
     All tensors are per token and of one shape; tokens with weight 0 (prompts, sequence ends) carry no loss and
     their inputs are ignored, so whatever is padded there cannot turn into an inf or NaN. Returns the loss and
@@ -71,11 +81,15 @@ def policy_loss(
         return torch.where(active, values, torch.zeros_like(values))
 
     advantages = on_active(advantages)
+    if old_logprobs is None:
+        old_logprobs = logprobs.detach()
     ratio = torch.exp(on_active(logprobs - old_logprobs))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - algo.clip_eps_low, 1.0 + algo.clip_eps_high)
     per_token = torch.maximum(unclipped, clipped)
     stats = {"clip_frac": (clipped > unclipped).float(), "ratio": ratio}
+    if rollout_logprobs is not None:  # the behaviour policy's distance from the proximal one (staleness, sync bugs)
+        stats["logprob_abs_diff"] = (old_logprobs - rollout_logprobs).abs()
     if algo.dual_clip_c > 0:
         # Where A < 0 a huge ratio makes -A * r unbounded; dual clip caps it at -A * c.
         bound = -advantages * algo.dual_clip_c

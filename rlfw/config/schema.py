@@ -161,6 +161,9 @@ class AlgoConfig:
     loss_agg: str = "token_mean"  # token_mean | sample_mean (sum per sample) | seq_mean_token_mean
     on_nonfinite: str = "stop"  # NaN/inf advantage, ratio, loss or gradient: stop (raise) | skip (the optimizer step)
     global_batch_size: int = 0  # samples per optimizer step; 0 = the whole rollout batch (one step per rollout)
+    # auto: with one optimizer step per rollout and no KL term, the old (proximal) log-probs are the training
+    # forward's own, detached (the same values, one forward pass fewer); recompute: a separate pass every step
+    old_logprobs: str = "auto"
     max_tokens_per_microbatch: int = 512  # token budget of one packed micro-batch; GPU runs: 16384 (BENCHMARKS.md)
     head_chunk_tokens: int = 4096  # tokens per pass of the output head (rlfw.megatron.head; BENCHMARKS.md)
 

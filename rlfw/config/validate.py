@@ -132,6 +132,7 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
                           f"of {list(RECOMPUTE_MODULES)} with model.recompute=selective")
 
     _validate_algo_options(cfg)
+    _choice("algo.old_logprobs", cfg.algo.old_logprobs, {"auto", "recompute"})
     _positive("algo.lr", cfg.algo.lr)
     _positive("algo.grad_clip", cfg.algo.grad_clip, allow_zero=True)
     _positive("algo.global_batch_size", cfg.algo.global_batch_size, allow_zero=True)

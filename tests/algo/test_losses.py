@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlfw.algo.losses import kl_penalty, policy_loss
+from rlfw.algo.losses import kl_penalty, old_logprobs_from_training, policy_loss
 from rlfw.config.schema import AlgoConfig
 
 torch.set_num_threads(1)
@@ -38,6 +38,34 @@ def test_ratio_one_loss_is_minus_weighted_advantage_sum():
     loss.backward()
     # d loss / d logprob = -A * w * ratio, ratio = 1
     torch.testing.assert_close(logprobs.grad, -adv * w, rtol=0, atol=1e-12)
+
+
+def test_no_old_logprobs_means_the_current_policy():
+    """``old_logprobs=None`` (taken from the training forward): the loss, its gradient and the TIS weight are those
+    of old = the current log-probs, detached; ``logprob_abs_diff`` is the weighted |old - rollout|."""
+    algo = AlgoConfig(name="grpo", clip_eps_low=0.2, clip_eps_high=0.28, tis_cap=2.0)
+    adv, w = t([1.5, -0.5, 2.0, -1.0]), t([0.1, 0.2, 0.3, 0.4])
+    rollout = t([-1.1, -2.0, -0.5, -3.0])
+    given, none = leaf([-1.0, -2.5, -0.3, -4.0]), leaf([-1.0, -2.5, -0.3, -4.0])
+    loss, stats = policy_loss(given, given.detach(), adv, w, algo, rollout_logprobs=rollout)
+    loss_none, stats_none = policy_loss(none, None, adv, w, algo, rollout_logprobs=rollout)
+    loss.backward()
+    loss_none.backward()
+    assert loss_none.item() == loss.item() and torch.equal(none.grad, given.grad)
+    assert stats_none.keys() == stats.keys() and all(torch.equal(stats_none[k], stats[k]) for k in stats)
+    assert stats["logprob_abs_diff"].item() == pytest.approx(0.1 * 0.1 + 0.2 * 0.5 + 0.3 * 0.2 + 0.4 * 1.0)
+
+
+@pytest.mark.parametrize("change,from_training", [
+    ({}, True),
+    ({"old_logprobs": "recompute"}, False),
+    ({"kl_loss_coef": 0.1}, False),  # the reference's log-probs come from the pass
+    ({"kl_reward_coef": 0.1}, False),
+])
+def test_when_the_old_logprobs_come_from_the_training_forward(change, from_training):
+    algo = AlgoConfig(name="grpo", **change)
+    assert old_logprobs_from_training(algo, num_minibatches=1) is from_training
+    assert not old_logprobs_from_training(algo, num_minibatches=2)  # later minibatches train on moved weights
 
 
 def test_clipped_case_by_hand():

@@ -74,6 +74,7 @@ def test_unknown_group_option():
         ("algo.lr=0", "algo.lr"),
         ("algo.max_tokens_per_microbatch=8", "algo.max_tokens_per_microbatch"),
         ("algo.head_chunk_tokens=0", "algo.head_chunk_tokens"),
+        ("algo.old_logprobs=never", "algo.old_logprobs"),
         ("cluster.host=0.0.0.0", "cluster.host"),
         ("cluster.host=::", "cluster.host"),
         ("cluster.host=10.0.0.0/33", "cluster.host"),

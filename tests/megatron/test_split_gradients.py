@@ -162,3 +162,22 @@ def test_a_share_is_normalised_by_the_whole_minibatch(trainer, rollout):
     total_tokens = sum(minibatch.response_lengths())
     assert sum(part.response_lengths()) < total_tokens
     assert stats["loss"] == pytest.approx(-advantage_tokens(part) / total_tokens, rel=1e-5, abs=1e-9)
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "sample_mean"])
+def test_old_logprobs_from_the_training_forward_equal_the_separate_pass(trainer, rollout, loss_agg):
+    """``algo.old_logprobs=auto`` (one optimizer step per rollout): without the ``old_logprobs`` column the loss
+    takes the training forward's own log-probs as the old policy's. That is the separate pass's result: the same
+    loss terms and gradients, split among replicas or not."""
+    (minibatch,) = with_old_logprobs(rollout, "own").minibatches(0)
+    (without,) = rollout.select(range(len(rollout))).minibatches(0)
+    del without.samples["old_logprobs"]
+    expected, expected_stats = grads(trainer, [minibatch], loss_agg)
+    for parts in ([without], split_batch(without, 3, "strided")):
+        actual, stats = grads(trainer, parts, loss_agg)
+        assert_same(actual, expected)
+        for key in ("loss", "ratio", "clip_frac", "pg_loss"):
+            assert stats[key] == pytest.approx(expected_stats[key], rel=1e-5, abs=1e-7), key
+    # and the column is what decides: perturbed old log-probs give other gradients
+    perturbed, _ = grads(trainer, [with_old_logprobs(rollout, "perturbed").minibatches(0)[0]], loss_agg)
+    assert not all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(perturbed, expected))
