@@ -219,6 +219,8 @@ def prepare_step(cfg, group, critic, queue: RolloutQueue, loggers, step: int, ve
         loggers.log(metrics, step)
         return None
     t1 = time.perf_counter()
+    for source in (group, critic) if critic is not None else (group,):
+        source.await_replacements()  # (ft.await_replacement_s) before the step's split and quorum
     if not old_logprobs_from_training(cfg.algo, len(batch.minibatches(cfg.algo.global_batch_size))):
         batch = attach_logprobs(group, batch)
     if critic is not None:  # the critic's pre-update phase attaches its values (old_values) the same way

@@ -389,8 +389,11 @@ class CellGroup:
                 self.membership.join(self.call)  # counted before it is sent: its peers wait for it
                 pending[cell.id] = calls[cell.id](cell)
 
-    def _await_replacements(self) -> None:
-        """Up to ft.await_replacement_s for the replacements under way (scheduled, placing, setting up)."""
+    def await_replacements(self) -> None:
+        """Up to ft.await_replacement_s for the replacements under way (scheduled, placing, setting up); the driver
+        calls it as a step begins, so that they take part in the step's split and heal in its quorum."""
+        if self.cfg.ft.await_replacement_s <= 0:
+            return
         deadline = time.monotonic() + self.cfg.ft.await_replacement_s
         while self.replacements_coming() and time.monotonic() < deadline:
             self.alive_cells()
@@ -398,8 +401,6 @@ class CellGroup:
 
     def compute_logprobs(self, batch, parts: List[List[int]]) -> List[Dict[str, Any]]:
         """Share ``i`` goes to the i-th alive cell; a share whose cell dies is recomputed by a survivor."""
-        if self.cfg.ft.await_replacement_s > 0:
-            self._await_replacements()
         results: List[Optional[Dict[str, Any]]] = [None] * len(parts)
         while (todo := [i for i, r in enumerate(results) if r is None]):
             cells = self._require_cells(current_only=True)  # a replacement that has not healed has stale weights

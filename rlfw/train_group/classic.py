@@ -102,6 +102,9 @@ class ClassicGroup:
         return list(range(self.num_replicas))
 
     @ends_on_death
+    def await_replacements(self) -> None:
+        """A classic world is restarted as a whole, from a checkpoint: no replacement joins it during a run."""
+
     def compute_logprobs(self, batch, parts: List[List[int]]) -> List[Dict[str, Any]]:
         """Replica r computes log-probs of ``parts[r]``; returns one result per replica."""
         return self.world.call_by_replica("compute_logprobs", [(batch, p) for p in parts])
