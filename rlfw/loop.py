@@ -219,9 +219,9 @@ def prepare_step(cfg, group, critic, queue: RolloutQueue, loggers, step: int, ve
         loggers.log(metrics, step)
         return None
     t1 = time.perf_counter()
-    for source in (group, critic) if critic is not None else (group,):
+    for source in [s for s in (group, critic) if s is not None]:
         source.await_replacements()  # (ft.await_replacement_s) before the step's split and quorum
-    if not old_logprobs_from_training(cfg.algo, len(batch.minibatches(cfg.algo.global_batch_size))):
+    if not old_logprobs_from_training(cfg.algo, batch.num_minibatches(cfg.algo.global_batch_size)):
         batch = attach_logprobs(group, batch)
     if critic is not None:  # the critic's pre-update phase attaches its values (old_values) the same way
         batch = attach_logprobs(critic, batch)
@@ -233,7 +233,7 @@ def prepare_step(cfg, group, critic, queue: RolloutQueue, loggers, step: int, ve
         metrics["critic/explained_variance"] = explained_variance(batch.samples["old_values"], batch.samples["returns"])
     bad = nonfinite_advantages(batch.samples["advantage"])
     if bad:  # under algo.on_nonfinite=stop, verdict raises
-        num_minibatches = len(batch.minibatches(cfg.algo.global_batch_size))
+        num_minibatches = batch.num_minibatches(cfg.algo.global_batch_size)
         metrics.update(verdict(cfg.algo.on_nonfinite, step, {"advantage": num_minibatches},
                                f" in {bad} of {len(batch)} samples"))
         loggers.event("nonfinite_skip", step, quantity="advantage", samples=bad)

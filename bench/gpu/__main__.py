@@ -32,7 +32,8 @@ def main() -> None:
     parser.add_argument("--budgets", default="8192,16384", help="larger token budgets per micro-batch to time")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", default="",
-                        help="comma-separated: check,head,before,variants (unfused: its SwiGLU row),bare,profile,recompute")
+                        help="comma-separated: check,head,before,variants (unfused: just its SwiGLU row),bare,"
+                             "profile,recompute")
     parser.add_argument("--head-tokens", default="8192,16384,32768,65536", help="token counts of the head's own rows")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))

@@ -47,6 +47,11 @@ class RolloutBatch:
         """The samples at ``indices`` (in that order); per-batch keys reach the result unchanged."""
         return RolloutBatch({k: [col[i] for i in indices] for k, col in self.samples.items()}, dict(self.meta))
 
+    def num_minibatches(self, global_batch_size: int) -> int:
+        """How many ``minibatches(global_batch_size)`` returns, without building them."""
+        size = global_batch_size or len(self)
+        return -(-len(self) // size) if size else 0
+
     def minibatches(self, global_batch_size: int) -> List["RolloutBatch"]:
         """Consecutive optimizer-step batches of ``global_batch_size`` samples (0 = one step on everything).
 

@@ -118,6 +118,7 @@ def test_minibatches_carry_their_own_dynamic_global_batch_size(gbs):
 
     sizes = [len(mb) for mb in mbs]
     assert sizes == [min(gbs, 13 - s) for s in range(0, 13, gbs)]
+    assert batch.num_minibatches(gbs) == len(mbs)
     assert [sid for mb in mbs for sid in mb.sample_ids] == original.sample_ids  # consecutive, in order
     for index, mb in enumerate(mbs):
         assert mb.meta[DYNAMIC_GBS] == {"num_samples": len(mb), "num_tokens": sum(mb.response_lengths())}
@@ -135,6 +136,7 @@ def test_minibatches_carry_their_own_dynamic_global_batch_size(gbs):
 def test_minibatches_zero_means_one_step_on_everything():
     batch = full_batch(9)
     (mb,) = batch.minibatches(0)
+    assert batch.num_minibatches(0) == 1 and batch.select([]).num_minibatches(0) == 0
     assert mb.sample_ids == batch.sample_ids
     assert mb.meta[DYNAMIC_GBS] == {"num_samples": 9, "num_tokens": batch.num_response_tokens()}
     assert mb.meta["minibatch_index"] == 0
