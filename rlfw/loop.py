@@ -1,6 +1,8 @@
 """The RL loop: generate -> log-probs -> split -> train -> sync weights -> log -> checkpoint.
 
 Everything here runs in the driver; the heavy lifting happens in the rollout manager and the train group's actors.
+A step's weight push lands in the engines while the driver logs, checkpoints and starts the next step: the rollout
+that needs those weights waits for them in the manager (``RolloutQueue.push``).
 ``loop=async`` differs in one place: the rollout queue asks for the next ``loop.max_staleness`` steps' rollouts
 before the current step trains, so they are generated meanwhile (``rlfw.rollout.queue`` says how the bound holds).
 """
@@ -14,7 +16,6 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError
 
 from rlfw.algo import algo_options
 from rlfw.algo.advantages import compute_advantages
@@ -52,16 +53,6 @@ def nothing_to_train(cfg, stats: Dict[str, float], step: int) -> Optional[str]:
             f"is left to train on; fix the task's reward function ({cfg.task.get('_target_')})"
         )
     return None
-
-
-def wait_for(ref: ray.ObjectRef, cfg, what: str):
-    """The rollout manager's answer, within rollout.step_timeout_s (its engines have shorter deadlines of their own:
-    a manager silent past this one is itself stuck, e.g. in a reward function)."""
-    try:
-        return ray.get(ref, timeout=cfg.rollout.step_timeout_s)
-    except GetTimeoutError:
-        raise TimeoutError(f"{what} did not finish within rollout.step_timeout_s={cfg.rollout.step_timeout_s:g}") \
-            from None
 
 
 def attach_logprobs(group, batch: RolloutBatch) -> RolloutBatch:
@@ -272,10 +263,10 @@ def restore_last_state(cfg, group, critic, loggers, meter: GoodputMeter, run_dir
     return to_step, read_partial(point.path) if point is not None else None
 
 
-def train_step(cfg, group, critic, manager, queue: RolloutQueue, loggers, meter: GoodputMeter, ledger, checkpointer,
+def train_step(cfg, group, critic, queue: RolloutQueue, loggers, meter: GoodputMeter, ledger, checkpointer,
                current: PartialStep, t0: float, started: float, version: int) -> Dict[str, float]:
     """Train the prepared step ``current`` on every replica (the critic too), check that every sample trained
-    exactly once, record it in the ledger, push the new weights (version ``version + 1``), log, checkpoint."""
+    exactly once, record it in the ledger, send the new weights (version ``version + 1``), log, checkpoint."""
     step = current.step
     batch, metrics, examples = current.batch, dict(current.metrics), current.examples
     minibatches = batch.minibatches(cfg.algo.global_batch_size)
@@ -296,8 +287,7 @@ def train_step(cfg, group, critic, manager, queue: RolloutQueue, loggers, meter:
         record["weight_digests"] = verify_replicas_equal(group, step)
         metrics["time/verify_weights"] = time.perf_counter() - t_verify
     ledger.write(json.dumps({**record, **critic_record}) + "\n")
-    metrics["time/weight_sync"] = wait_for(manager.update_weights.remote(group.export_weights(), version + 1), cfg,
-                                           f"step {step}'s weight push")
+    metrics.update(queue.push(group.export_weights(), version + 1))  # lands while the driver goes on
     metrics.update(step_metrics(results, group.metric_prefix))
     metrics.update(group.step_info())
     log_events(loggers, meter, step, group.drain_events())
@@ -329,8 +319,8 @@ def run_loop(
     started = started if started is not None else time.time()
     meter = meter if meter is not None else GoodputMeter(started)
     version = start_step  # the weight version counts committed RL steps
-    wait_for(manager.update_weights.remote(group.export_weights(), version), cfg, "the first weight push")
     queue = RolloutQueue(manager, max_staleness(cfg), cfg.num_steps, cfg.rollout.step_timeout_s)
+    queue.push(group.export_weights(), version, wait=True)
     ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)  # per step: trained sample ids, weight digests
     loggers.table("algo", ["option", "value"], algo_options(cfg.algo), start_step)  # the combination in use
     metrics: Dict[str, float] = {}
@@ -348,7 +338,7 @@ def run_loop(
                     current = prepare_step(cfg, group, critic, queue, loggers, step, version)
                     if current is None:
                         continue
-                metrics = train_step(cfg, group, critic, manager, queue, loggers, meter, ledger, checkpointer,
+                metrics = train_step(cfg, group, critic, queue, loggers, meter, ledger, checkpointer,
                                      current, t0, started, version)
             except StateLostError as e:  # nobody holds the trained state: the last checkpoint does
                 if checkpointer is None or restores >= cfg.ft.max_state_restores:
@@ -360,12 +350,12 @@ def run_loop(
                                                         step, e)
                 ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)
                 version = next_step
-                wait_for(manager.update_weights.remote(group.export_weights(), version), cfg,
-                         "the restored weights' push")
+                queue.push(group.export_weights(), version, wait=True)  # before any rollout asks for them
                 current = None
                 continue
             current = None
             version += 1
+        queue.settle()  # the last push: its error, if any, is the run's
     except BelowMinCellsError as e:
         for source, role in ((group, None), (critic, "critic")):  # the failures that led here, logged
             if source is not None:

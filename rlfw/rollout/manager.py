@@ -99,13 +99,15 @@ class RolloutManager:
         return self.pool.busy_seconds()
 
     @ray.method(concurrency_group="rollout")
-    def generate(self, step: int, min_version: int) -> dict[str, Any]:
+    def generate(self, step: int, min_version: int, version_wait_s: float = 0.0) -> dict[str, Any]:
         """One rollout batch for RL step ``step``, every token from weights of version ``min_version`` or newer
         (the synchronous loop's weights do not change during the call); the same step, seed and weights give the
-        same prompts and responses."""
-        version = self.pool.weight_version
-        if version is None or version < min_version:
-            raise RuntimeError(f"engines hold weights v{version} but step {step} needs v{min_version} or newer")
+        same prompts and responses. ``version_wait_s``: how long to wait for a push of ``min_version`` that the
+        caller sent before this call (the two run in different threads, in either order); 0 refuses at once."""
+        try:
+            self.pool.wait_loaded(min_version, version_wait_s)
+        except RuntimeError as e:
+            raise RuntimeError(f"step {step}: {e}") from e
         self.pool.health(HEALTH_TIMEOUT_S)  # a dead or hung engine is replaced before the step's requests go out
         cfg = self.cfg.rollout
         rng = np.random.default_rng([self.cfg.seed, step])

@@ -12,6 +12,11 @@ lags more than k versions behind the weights that train on it. ``staleness`` che
 versions the engines recorded per token, so a scheduling bug is an error, not a silently off-policy step. With
 k = 0 this is the synchronous loop, call for call.
 
+**Weight pushes.** ``push`` sends a step's new weights and returns at once: the manager loads them into the
+engines (its ``weights`` group) while the driver logs, checkpoints and starts the next step. A rollout asked for
+from that version waits for the load in the manager (``fill``), not in the driver; the next push waits for the one
+before, so at most one is under way and they land in order.
+
 **Utilisation.** The engines' busy fraction (engine seconds in generate calls over wall seconds times engines) and
 the trainer's (seconds in log-probs and training over wall seconds) are what overlapping buys: both are measured
 per step, in either mode.
@@ -20,7 +25,7 @@ per step, in either mode.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import ray
@@ -63,14 +68,42 @@ class RolloutQueue:
         self._calls: Dict[int, ray.ObjectRef] = {}
         self._done: Dict[int, Dict[str, Any]] = {}  # answers fetched while counting what waits
         self._clock = (time.perf_counter(), 0.0)  # (wall, engine busy seconds) at the last utilisation
+        self._push: Optional[Tuple[ray.ObjectRef, int]] = None  # the push under way: (its call, its version)
+        self._pushed: Optional[int] = None  # the version of the last push sent
+
+    def push(self, weights: ray.ObjectRef, version: int, wait: bool = False) -> Dict[str, float]:
+        """Send the engines the weights of ``version`` (an object ref), after the push before it has landed.
+        ``wait``: return only once this one has landed too (the first weights; a restore to older ones, which no
+        rollout may be asked for before). Returns ``time/weight_push_wait`` (the seconds the driver waited here)
+        and ``time/weight_sync`` (the last landed push's own seconds in the manager), when there was one."""
+        t0 = time.perf_counter()
+        metrics = self.settle()
+        self._push, self._pushed = (self.manager.update_weights.remote(weights, version), version), version
+        if wait:
+            metrics = self.settle()
+        metrics["time/weight_push_wait"] = time.perf_counter() - t0
+        return metrics
+
+    def settle(self) -> Dict[str, float]:
+        """Wait for the push under way, if any, within the deadline; raise its error. Returns its seconds in the
+        manager (``time/weight_sync``)."""
+        if self._push is None:
+            return {}
+        (call, version), self._push = self._push, None
+        try:
+            return {"time/weight_sync": ray.get(call, timeout=self.timeout_s)}
+        except GetTimeoutError:
+            raise TimeoutError(f"the push of weights v{version} to the engines did not finish within "
+                               f"rollout.step_timeout_s={self.timeout_s:g}") from None
 
     def fill(self, step: int, version: int) -> None:
         """Ask for the rollouts of steps ``step`` .. ``step + max_staleness`` not asked for yet, from weights of
-        ``version`` (what the engines hold now) or newer."""
+        ``version`` or newer; a push of ``version`` still under way is waited for in the manager."""
+        wait_s = self.timeout_s if self._pushed is not None and self._pushed >= version else 0.0
         last = min(step + self.max_staleness, self.num_steps - 1)
         for s in range(step, last + 1):
             if s not in self._calls and s not in self._done:
-                self._calls[s] = self.manager.generate.remote(s, version)
+                self._calls[s] = self.manager.generate.remote(s, version, wait_s)
 
     def take(self, step: int) -> Dict[str, Any]:
         """Step ``step``'s rollout (the manager's answer), waiting for it within the deadline; the seconds waited

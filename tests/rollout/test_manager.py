@@ -67,7 +67,7 @@ def test_batch_columns_truncation_timing_and_versions(ray_local, tmp_path):
         "rollout.max_inflight_requests=3", version=4,
     )
     try:
-        with pytest.raises(Exception, match="engines hold weights v4 but step 0 needs v5"):
+        with pytest.raises(Exception, match="step 0: engines hold weights v4 but v5 or newer is needed"):
             ray.get(manager.generate.remote(0, 5))
         out = ray.get(manager.generate.remote(3, 4))
         again = ray.get(manager.generate.remote(3, 4))
@@ -127,7 +127,7 @@ def test_a_weight_push_reaches_a_generation_under_way(ray_local, tmp_path):
         ray.get(manager.update_weights.remote(random_hf_state(shape, seed=1), 1), timeout=60)
         pushed_while_generating = not ray.wait([rollout], timeout=0)[0]
         batch = ray.get(rollout)["batch"]
-        with pytest.raises(Exception, match="engines hold weights v1 but step 2 needs v2 or newer"):
+        with pytest.raises(Exception, match="step 2: engines hold weights v1 but v2 or newer is needed"):
             ray.get(manager.generate.remote(2, 2))
     finally:
         ray.get(manager.shutdown.remote())
@@ -136,3 +136,24 @@ def test_a_weight_push_reaches_a_generation_under_way(ray_local, tmp_path):
     assert [len(v) for v in versions] == batch.response_lengths()
     assert versions[0][0] == 0 and versions[-1][-1] == 1  # the first chunk started under v0, the last ended under v1
     assert all(vs == sorted(vs) for vs in versions)  # a response only ever moves to newer weights
+
+
+def test_a_rollout_waits_for_the_push_of_its_version(ray_local, tmp_path):
+    """The driver sends a step's weights and goes on (``RolloutQueue.push``): a rollout asked for from that version
+    waits in the manager until the push has landed (asked for here before the push is even sent), and a push that
+    fails is the waiting rollout's error, named, instead of a wait to its deadline."""
+    manager = start_manager(tmp_path, version=0)
+    shape = shape_of(compose_cfg(tmp_path))
+    broken = random_hf_state(shape, seed=2)
+    del broken[next(iter(broken))]  # an engine refuses a state without every weight
+    try:
+        rollout = manager.generate.remote(1, 1, 300.0)
+        ray.get(manager.update_weights.remote(random_hf_state(shape, seed=1), 1), timeout=120)
+        versions = ray.get(rollout, timeout=120)["batch"].samples["rollout_versions"]
+        failing = manager.generate.remote(2, 2, 300.0)
+        manager.update_weights.remote(broken, 2)
+        with pytest.raises(Exception, match="step 2: the push of weights v2 failed"):
+            ray.get(failing, timeout=300)
+    finally:
+        ray.get(manager.shutdown.remote())
+    assert {v for vs in versions for v in vs} == {1}

@@ -72,6 +72,11 @@ class EnginePool:
         # The weights every engine must hold: (object ref, version); None before the first update.
         self._weights: tuple[ray.ObjectRef, int] | None = None
         self._lock = threading.RLock()  # engines, restarts and weights, between the generate and weights threads
+        # The version of the last push every serving engine loaded (None before one), or how the last push failed:
+        # what a generate call that needs a version still being pushed waits for (``wait_loaded``).
+        self._loaded: int | None = None
+        self._push_error: tuple[int, BaseException] | None = None
+        self._loaded_changed = threading.Condition(self._lock)
         self._closing = False  # set by shutdown: no engine is replaced any more
         # Engine seconds spent in generate calls: finished calls, and the start of each engine's call under way.
         self._busy_total = 0.0
@@ -103,13 +108,40 @@ class EnginePool:
             self._weights = (ref, version)
             engines = {index: self.engines[index] for index in self._serving()}
         calls = {index: engine.update_weights.remote(ref, version) for index, engine in engines.items()}
-        for index, call in calls.items():
-            try:
-                ray.get(call, timeout=self.call_timeout_s)
-            except (RayActorError, RayTaskError, GetTimeoutError) as e:
-                # dead, hung, or its load failed (a handoff that timed out included): a fresh engine loads them, and
-                # the same load failing there is the run's error
-                self._restart(index, e, engines[index])
+        try:
+            for index, call in calls.items():
+                try:
+                    ray.get(call, timeout=self.call_timeout_s)
+                except (RayActorError, RayTaskError, GetTimeoutError) as e:
+                    # dead, hung, or its load failed (a handoff that timed out included): a fresh engine loads them,
+                    # and the same load failing there is the run's error
+                    self._restart(index, e, engines[index])
+        except BaseException as e:
+            with self._loaded_changed:
+                self._push_error = (version, e)
+                self._loaded_changed.notify_all()
+            raise
+        with self._loaded_changed:
+            self._loaded, self._push_error = version, None
+            self._loaded_changed.notify_all()
+
+    def wait_loaded(self, version: int, timeout_s: float) -> None:
+        """Return once every serving engine holds weights of ``version`` or newer (the last push loaded), waiting up
+        to ``timeout_s`` for a push under way in another thread; else raise, naming what the engines hold. A caller
+        that pushes an older version (a restore) waits for that push itself before it asks for generations."""
+        deadline = time.monotonic() + timeout_s
+        with self._loaded_changed:
+            while self._loaded is None or self._loaded < version:
+                if self._push_error is not None and self._push_error[0] >= version:
+                    failed, cause = self._push_error
+                    raise RuntimeError(f"the push of weights v{failed} failed: {type(cause).__name__}: {cause}") \
+                        from cause
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    waited = f" (waited {timeout_s:g} s for a push)" if timeout_s > 0 else ""
+                    raise RuntimeError(f"engines hold weights v{self._loaded} but v{version} or newer is needed"
+                                       f"{waited}")
+                self._loaded_changed.wait(left)
 
     def health(self, timeout_s: float) -> list[dict[str, Any]]:
         """The health answer of each serving engine; one that is dead or does not answer in ``timeout_s`` is
