@@ -32,8 +32,8 @@ def main() -> None:
     parser.add_argument("--budgets", default="8192,16384", help="larger token budgets per micro-batch to time")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", default="",
-                        help="comma-separated: check,head,before,variants (unfused: just its SwiGLU row),bare,"
-                             "profile,recompute")
+                        help="comma-separated: check,head,before,variants (unfused: just its SwiGLU row; rope: "
+                             "just its unfused-RoPE row),bare,profile,recompute")
     parser.add_argument("--head-tokens", default="8192,16384,32768,65536", help="token counts of the head's own rows")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -106,6 +106,11 @@ def main() -> None:
             timed(f"rlfw step packed {budgets[-1]}, unfused SwiGLU", rlfw(budgets[-1], "packed"), "packed",
                   budget=budgets[-1])
             config.bias_activation_fusion = True
+        if "rope" not in skip:  # Megatron's unfused RoPE (about ten element-wise kernels per tensor and direction)
+            config.apply_rope_fusion = False
+            timed(f"rlfw step packed {budgets[-1]}, unfused RoPE", rlfw(budgets[-1], "packed"), "packed",
+                  budget=budgets[-1])
+            config.apply_rope_fusion = True
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
         timed(f"rlfw step packed {budgets[-1]}, full recompute", rlfw(budgets[-1], "packed"), "packed",
               budget=budgets[-1])

@@ -70,6 +70,8 @@ def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool =
                        recompute_modules=("mlp",)):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from rlfw.megatron import rope
+
     on_cpu = not torch.cuda.is_available()
     return TransformerConfig(
         num_layers=shape.num_layers,
@@ -87,6 +89,8 @@ def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool =
         # CUDA: Megatron's fused SwiGLU (one compiled kernel; only fc1's output is kept for the backward): 10 %
         # off the H200 step and 15 GiB off its peak (BENCHMARKS.md). On CPU torch.compile would need a compiler.
         bias_activation_fusion=not on_cpu,
+        # CUDA: RoPE as one compiled kernel each way (rlfw.megatron.rope), where TE does not bring its own.
+        apply_rope_fusion=not on_cpu and rope.install(),
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_layernorm,
