@@ -40,9 +40,9 @@ def test_megatron_attention_reaches_it_through_apply_rope_fusion(megatron_world,
     signature, the call count or the logits below change."""
     calls = []
 
-    def counted(t, freqs):
+    def counted(t, cos, sin):
         calls.append(tuple(t.shape))
-        return rope.rope_reference(t, freqs)
+        return rope.rotate(t, cos, sin)
 
     monkeypatch.setattr(rope, "_compiled", counted)  # eager on CPU: torch.compile's CPU backend is not the point
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
