@@ -4,7 +4,7 @@ Why: without TE, megatron-core applies RoPE to the queries and to the keys of ev
 element-wise kernels each way (the cosine and sine of the angles and their casts, the rotation's chunk, negation
 and concatenation, two products, a sum, a final concatenation), each a full pass over a [tokens, heads, 128]
 bf16 tensor. ``rope`` is the same formula as one ``torch.compile`` function: one kernel forward and one backward
-(80 ms off a 1569 ms step on the H100, BENCHMARKS.md).
+(76-80 ms off a step of about 1.58 s on the H100, BENCHMARKS.md).
 
 How Megatron reaches it: with ``TransformerConfig.apply_rope_fusion`` set, ``rope_utils.apply_rotary_pos_emb``
 calls the module global ``rope_utils.fused_apply_rotary_pos_emb`` (Transformer Engine's, None without TE), for the
@@ -44,8 +44,8 @@ def rope(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = F
          interleaved: bool = False) -> torch.Tensor:
     """``rope_reference`` with the signature of Megatron's ``fused_apply_rotary_pos_emb``: the cosines and sines
     are taken once per call on the angles (one row per token), and ``rotate`` runs compiled (dynamic shapes: packed
-    rows differ in length). Inside the kernel they would be taken for every head again: 2 transcendentals per
-    element made it compute-bound (52 ms of a 1489 ms step on the H100, BENCHMARKS.md)."""
+    rows differ in length). Taken inside the kernel, for every head again, the two kernels took 52 ms of device
+    time a step on the H100; taken here, 39 ms (BENCHMARKS.md)."""
     global _compiled
     if interleaved or transpose_output_memory:
         raise NotImplementedError("rlfw's fused RoPE covers non-interleaved rotary without transposed output only")

@@ -466,9 +466,16 @@ class CellGroup:
             self._event("writer_failover", cell=writer.id, phase=phase)
 
     def export_weights(self) -> ray.ObjectRef:
-        """Full weights from the writer cell, for the rollout engines."""
-        refs, _ = self._on_writer("weight_sync", lambda w, _: w.export_weights.remote())
-        return refs[0]
+        """Full weights from the writer cell, for the rollout engines: a reference to its leader's copy. The driver
+        waits for each rank's small success return alone (``TrainerWorker.export_weights``)."""
+        weights: Dict[int, ray.ObjectRef] = {}  # id(worker handle) -> its weights, per attempt
+
+        def export(worker, _) -> ray.ObjectRef:
+            weights[id(worker)], done = worker.export_weights.remote()
+            return done
+
+        _, writer = self._on_writer("weight_sync", export)
+        return weights[id(writer.world.workers[0])]
 
     def save(self, path: str, step: int) -> None:
         """The writer writes into a directory of its own incarnation, moved to ``path`` once it answered: a writer

@@ -117,10 +117,11 @@ class ClassicGroup:
 
     @ends_on_death
     def export_weights(self) -> ray.ObjectRef:
-        """Replica 0's TP ranks gather the full weights together; rank 0's copy goes to the engines."""
-        refs = [w.export_weights.remote() for w in self.world.leaders_group(0)]
-        get_all(refs)
-        return refs[0]
+        """Replica 0's TP ranks gather the full weights together; rank 0's copy goes to the engines (a reference:
+        the driver waits for the export's success only, ``TrainerWorker.export_weights``)."""
+        calls = [w.export_weights.remote() for w in self.world.leaders_group(0)]  # [weights, done] per rank
+        get_all([done for _, done in calls])
+        return calls[0][0]
 
     @ends_on_death
     def save(self, path: str, step: int) -> None:

@@ -188,13 +188,17 @@ class TrainerWorker:
         parts = split_batch(whole, num_replicas, self.cfg.split.how, self.cfg.split.attention_weight)
         return parts[replica], [list(p.sample_ids) for p in parts]
 
-    def export_weights(self) -> Dict[str, torch.Tensor]:
-        """Full weights in Hugging Face names, for the rollout engines (every TP rank of the replica calls it)."""
+    @ray.method(num_returns=2)
+    def export_weights(self) -> Tuple[Dict[str, torch.Tensor], bool]:
+        """Full weights in Hugging Face names, for the rollout engines (every TP rank of the replica calls it), and
+        True. Two returns so that the driver waits on the small second one alone (its error, if the export
+        failed) and hands the first to the engines as a reference: the weights go from this node's object store
+        to the engines' without being fetched into the driver (gigabytes a step for a real model)."""
         from rlfw.megatron.hf_convert import megatron_to_hf
 
         self.faults.maybe_fault("weight_sync", self.cursor["rl_step"])  # the step just committed
         full = self.trainer.full_weights()
-        return megatron_to_hf({k: v.detach().cpu().clone() for k, v in full.items()}, self.shape)
+        return megatron_to_hf({k: v.detach().cpu().clone() for k, v in full.items()}, self.shape), True
 
     @ray.method(concurrency_group=STATE_GROUP)
     def save(self, path: str, step: int) -> None:
