@@ -32,8 +32,8 @@ def main() -> None:
     parser.add_argument("--budgets", default="8192,16384", help="larger token budgets per micro-batch to time")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", default="",
-                        help="comma-separated: check,head,before,variants (unfused: just its SwiGLU row; rope: "
-                             "just its unfused-RoPE row),bare,profile,recompute")
+                        help="comma-separated: check,head,before,variants (unfused: just its SwiGLU row; rope, "
+                             "wgrad: just their unfused rows),bare,profile,recompute")
     parser.add_argument("--head-tokens", default="8192,16384,32768,65536", help="token counts of the head's own rows")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -111,6 +111,14 @@ def main() -> None:
             timed(f"rlfw step packed {budgets[-1]}, unfused RoPE", rlfw(budgets[-1], "packed"), "packed",
                   budget=budgets[-1])
             config.apply_rope_fusion = True
+        if "wgrad" not in skip:  # DDP's separate fp32 addition of each micro-batch's weight gradients
+            linear = [m for m in trainer.model.modules() if getattr(m, "gradient_accumulation_fusion", False)]
+            for m in linear:  # the layers read the config when built: each one's own switch
+                m.gradient_accumulation_fusion = False
+            timed(f"rlfw step packed {budgets[-1]}, unfused weight-gradient accumulation", rlfw(budgets[-1], "packed"),
+                  "packed", budget=budgets[-1])
+            for m in linear:
+                m.gradient_accumulation_fusion = True
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
         timed(f"rlfw step packed {budgets[-1]}, full recompute", rlfw(budgets[-1], "packed"), "packed",
               budget=budgets[-1])

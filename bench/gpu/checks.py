@@ -29,7 +29,9 @@ def check_packed_attention(shape: ModelShape, device: torch.device, results) -> 
 
     def run(attention: str, bf16: bool, state=None, **inputs):
         torch.manual_seed(0)
-        model = build_gpt(small, transformer_config(small, bf16=bf16), core_attention=attention).to(device)
+        config = transformer_config(small, bf16=bf16)
+        config.gradient_accumulation_fusion = False  # no DDP here: the gradients go to .grad, not main gradients
+        model = build_gpt(small, config, core_attention=attention).to(device)
         if state is not None:
             model.load_state_dict(state)
         logits = model(tokens, positions, **inputs)

@@ -70,7 +70,7 @@ def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool =
                        recompute_modules=("mlp",)):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from rlfw.megatron import rope
+    from rlfw.megatron import rope, wgrad
 
     on_cpu = not torch.cuda.is_available()
     return TransformerConfig(
@@ -91,6 +91,10 @@ def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool =
         bias_activation_fusion=not on_cpu,
         # CUDA: RoPE as one compiled kernel each way (rlfw.megatron.rope), where TE does not bring its own.
         apply_rope_fusion=not on_cpu and rope.install(),
+        # CUDA: each micro-batch's weight gradients accumulated into DDP's fp32 main gradients by the GEMM itself
+        # (rlfw.megatron.wgrad), not by a separate addition. A model trained without Megatron DDP has no main
+        # gradients and must turn it off (bench/gpu/checks.py does).
+        gradient_accumulation_fusion=not on_cpu and wgrad.install(),
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_layernorm,
