@@ -115,7 +115,7 @@ class ValueTrainer:
         self.shape, self.algo, self.critic, self.device = shape, algo, critic, device
         self.bf16 = bf16 and device.type == "cuda"
         self.config = transformer_config(shape, tp=tp, bf16=self.bf16, recompute=recompute,
-                                         recompute_modules=recompute_modules)
+                                         recompute_modules=recompute_modules, device=device)
         # With init_from_policy the trunk draws the policy's random initial weights (same seed, same draw order);
         # otherwise a seed of its own. Either way every rank and cell builds identical weights.
         seed = init_seed if critic.init_from_policy else init_seed + 1

@@ -67,12 +67,14 @@ def recompute_options(recompute: str = "none", modules=("mlp",)) -> dict:
 
 
 def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool = False, recompute: str = "none",
-                       recompute_modules=("mlp",)):
+                       recompute_modules=("mlp",), device: torch.device | None = None):
+    """Megatron's config for ``shape``. ``device``: where the model trains (None: CUDA if this process sees a GPU).
+    The CUDA-only fusions follow it, not the GPUs visible: a CPU trainer on a GPU host keeps the CPU path."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from rlfw.megatron import rope, wgrad
 
-    on_cpu = not torch.cuda.is_available()
+    on_cpu = device.type != "cuda" if device is not None else not torch.cuda.is_available()
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,

@@ -37,7 +37,7 @@ class PolicyTrainer:
         # mixed-precision optimizer fp32 master weights and Adam state. On CPU the flag is ignored (fp32 throughout).
         self.bf16 = bf16 and device.type == "cuda"
         self.config = transformer_config(shape, tp=tp, bf16=self.bf16, recompute=recompute,
-                                         recompute_modules=recompute_modules)
+                                         recompute_modules=recompute_modules, device=device)
         # Same seed on every rank and cell: identical initial weights everywhere, whatever the parallel layout
         # (CPU initialisation builds the full weight and slices it per TP rank).
         torch.manual_seed(init_seed)

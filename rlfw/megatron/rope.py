@@ -4,7 +4,9 @@ Why: without TE, megatron-core applies RoPE to the queries and to the keys of ev
 element-wise kernels each way (the cosine and sine of the angles and their casts, the rotation's chunk, negation
 and concatenation, two products, a sum, a final concatenation), each a full pass over a [tokens, heads, 128]
 bf16 tensor. ``rope`` is the same formula as one ``torch.compile`` function: one kernel forward and one backward
-(76-80 ms off a step of about 1.58 s on the H100, BENCHMARKS.md).
+(76-80 ms off a step of about 1.58 s on the H100, BENCHMARKS.md). It computes in fp32 and rounds once, where
+Megatron's unfused RoPE (like the engines' HF and vLLM code) rounds the cosines, sines and products to bf16: in
+bf16 the values differ at round-off level from before (closer to fp32 math, ``tests/gpu/test_rope_bf16.py``).
 
 How Megatron reaches it: with ``TransformerConfig.apply_rope_fusion`` set, ``rope_utils.apply_rotary_pos_emb``
 calls the module global ``rope_utils.fused_apply_rotary_pos_emb`` (Transformer Engine's, None without TE), for the

@@ -70,6 +70,7 @@ class RolloutQueue:
         self._clock = (time.perf_counter(), 0.0)  # (wall, engine busy seconds) at the last utilisation
         self._push: Optional[Tuple[ray.ObjectRef, int]] = None  # the push under way: (its call, its version)
         self._pushed: Optional[int] = None  # the version of the last push sent
+        self._landed: Optional[float] = None  # the seconds of the last push that landed, not reported yet
 
     def push(self, weights: ray.ObjectRef, version: int, wait: bool = False) -> Dict[str, float]:
         """Send the engines the weights of ``version`` (an object ref), after the push before it has landed.
@@ -77,21 +78,23 @@ class RolloutQueue:
         rollout may be asked for before). Returns ``time/weight_push_wait`` (the seconds the driver waited here)
         and ``time/weight_sync`` (the last landed push's own seconds in the manager), when there was one."""
         t0 = time.perf_counter()
-        metrics = self.settle()
+        self.settle()
         self._push, self._pushed = (self.manager.update_weights.remote(weights, version), version), version
         if wait:
-            metrics = self.settle()
-        metrics["time/weight_push_wait"] = time.perf_counter() - t0
+            self.settle()
+        metrics = {"time/weight_push_wait": time.perf_counter() - t0}
+        if self._landed is not None:
+            metrics["time/weight_sync"], self._landed = self._landed, None
         return metrics
 
-    def settle(self) -> Dict[str, float]:
-        """Wait for the push under way, if any, within the deadline; raise its error. Returns its seconds in the
-        manager (``time/weight_sync``)."""
+    def settle(self) -> None:
+        """Wait for the push under way, if any, within the deadline, and raise its error; its seconds in the
+        manager are reported by the next ``push``."""
         if self._push is None:
-            return {}
+            return
         (call, version), self._push = self._push, None
         try:
-            return {"time/weight_sync": ray.get(call, timeout=self.timeout_s)}
+            self._landed = ray.get(call, timeout=self.timeout_s)
         except GetTimeoutError:
             raise TimeoutError(f"the push of weights v{version} to the engines did not finish within "
                                f"rollout.step_timeout_s={self.timeout_s:g}") from None
@@ -110,17 +113,26 @@ class RolloutQueue:
         and the samples already generated for later steps are in its stats."""
         waiting = self._samples_waiting(step)
         t0 = time.perf_counter()
-        if step in self._done:
-            rollout = self._done.pop(step)
-        else:
-            try:
-                rollout = ray.get(self._calls.pop(step), timeout=self.timeout_s)
-            except GetTimeoutError:
-                raise TimeoutError(f"step {step}'s rollout did not finish within rollout.step_timeout_s="
-                                   f"{self.timeout_s:g}") from None
+        rollout = self._done.pop(step) if step in self._done else self._wait(step, self._calls.pop(step))
         rollout["stats"]["loop/rollout_wait_s"] = time.perf_counter() - t0
         rollout["stats"]["loop/samples_waiting"] = waiting
         return rollout
+
+    def _wait(self, step: int, call: ray.ObjectRef) -> Dict[str, Any]:
+        """The rollout ``call``, within the deadline. A push under way is watched beside it: the rollout may be
+        waiting for it in the manager, so a failed push raises here with its own error (not the rollout's timeout),
+        and a push that lands late starts the rollout's deadline afresh."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            watched = [call] + ([self._push[0]] if self._push is not None else [])
+            ready, _ = ray.wait(watched, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if call in ready:
+                return ray.get(call)
+            if not ready:
+                raise TimeoutError(f"step {step}'s rollout did not finish within rollout.step_timeout_s="
+                                   f"{self.timeout_s:g}")
+            self.settle()  # the push landed first (or raises its error)
+            deadline = time.monotonic() + self.timeout_s
 
     def _samples_waiting(self, step: int) -> int:
         """Samples generated for steps after ``step`` and not trained yet (their answers are fetched now)."""

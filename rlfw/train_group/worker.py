@@ -192,8 +192,9 @@ class TrainerWorker:
     def export_weights(self) -> Tuple[Dict[str, torch.Tensor], bool]:
         """Full weights in Hugging Face names, for the rollout engines (every TP rank of the replica calls it), and
         True. Two returns so that the driver waits on the small second one alone (its error, if the export
-        failed) and hands the first to the engines as a reference: the weights go from this node's object store
-        to the engines' without being fetched into the driver (gigabytes a step for a real model)."""
+        failed) and passes the first on as a reference, never deserialising the weights itself (gigabytes a step
+        for a real model). The rollout manager receives them and keeps its own copy, for the engines it loads
+        and for those it restarts after the writer's node is gone."""
         from rlfw.megatron.hf_convert import megatron_to_hf
 
         self.faults.maybe_fault("weight_sync", self.cursor["rl_step"])  # the step just committed

@@ -3,6 +3,7 @@ gradients into the main gradients through rlfw's function (Megatron's private Ap
 equal the unfused weight gradients. The bf16 accumulation on CUDA is pinned in ``tests/gpu/test_wgrad_bf16.py``."""
 
 import torch
+from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.tensor_parallel import layers
 
 from rlfw.megatron import wgrad
@@ -68,3 +69,16 @@ def test_accumulate_adds_the_weight_gradient():
     expected = main_grad + dy.t() @ x
     wgrad.accumulate_fp32(x, dy, main_grad)
     torch.testing.assert_close(main_grad, expected)
+
+
+def test_the_cuda_fusions_follow_the_trainers_device_not_the_visible_gpus(monkeypatch):
+    """``cluster.device=cpu`` on a GPU host: the CPU trainer keeps the CPU path (a fused weight-gradient
+    accumulation there would hand DDP a CUDA placeholder gradient for a CPU weight)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(wgrad, "install", lambda: True)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)  # restored after: rope.install sets it
+    on_cpu = transformer_config(SHAPE, device=torch.device("cpu"))
+    assert not (on_cpu.gradient_accumulation_fusion or on_cpu.apply_rope_fusion or on_cpu.bias_activation_fusion)
+    assert on_cpu.use_cpu_initialization
+    on_gpu = transformer_config(SHAPE, device=torch.device("cuda", 0))
+    assert on_gpu.gradient_accumulation_fusion and on_gpu.apply_rope_fusion and on_gpu.bias_activation_fusion

@@ -1,6 +1,6 @@
-"""The weight export hands the engines a reference: the writer's weights go from its object store to the
-engines' without being fetched into the driver (gigabytes a step for a real model, across the network on a
-cluster). The driver waits on the export's small success return alone; a failed export still raises there."""
+"""The weight export gives the driver a reference it never fetches (gigabytes a step for a real model): the driver
+waits on the export's small success return alone, and a failed export still raises there. What the reference holds
+is what an engine loads."""
 
 from pathlib import Path
 

@@ -11,9 +11,10 @@ same requests with the same seed, so a death does not change what a seeded step 
 must come from weights no older than the caller's ``min_version`` (by default the version current when the call
 starts) and no newer than the last pushed: anything else raises ``StaleWeightsError`` rather than reach the trainer.
 
-The asynchronous loop calls ``update_weights`` from another thread while ``generate`` is under way (the manager's
-two concurrency groups): restarts and the weights the pool holds are guarded by one lock, and an engine replaced
-by one thread is not replaced again by the other.
+The driver's weight pushes reach ``update_weights`` from another thread while ``generate`` is under way (the
+manager's two concurrency groups; in either loop, since the driver does not wait for a push): restarts and the
+weights the pool holds are guarded by one lock, and an engine replaced by one thread is not replaced again by the
+other.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class EnginePool:
         # The version of the last push every serving engine loaded (None before one), or how the last push failed:
         # what a generate call that needs a version still being pushed waits for (``wait_loaded``).
         self._loaded: int | None = None
-        self._push_error: tuple[int, BaseException] | None = None
+        self._push_error: tuple[int, str] | None = None
         self._loaded_changed = threading.Condition(self._lock)
         self._closing = False  # set by shutdown: no engine is replaced any more
         # Engine seconds spent in generate calls: finished calls, and the start of each engine's call under way.
@@ -103,12 +104,12 @@ class EnginePool:
         """Load ``hf_state`` (a dict or its object ref) into every engine; a dead engine is replaced and loaded.
         An engine that is generating takes them between two decode steps (partial rollouts) or, without that, once
         its call under way returns."""
-        ref = hf_state if isinstance(hf_state, ray.ObjectRef) else ray.put(hf_state)
-        with self._lock:
-            self._weights = (ref, version)
-            engines = {index: self.engines[index] for index in self._serving()}
-        calls = {index: engine.update_weights.remote(ref, version) for index, engine in engines.items()}
         try:
+            ref = hf_state if isinstance(hf_state, ray.ObjectRef) else ray.put(hf_state)
+            with self._lock:
+                self._weights = (ref, version)
+                engines = {index: self.engines[index] for index in self._serving()}
+            calls = {index: engine.update_weights.remote(ref, version) for index, engine in engines.items()}
             for index, call in calls.items():
                 try:
                     ray.get(call, timeout=self.call_timeout_s)
@@ -117,8 +118,8 @@ class EnginePool:
                     # and the same load failing there is the run's error
                     self._restart(index, e, engines[index])
         except BaseException as e:
-            with self._loaded_changed:
-                self._push_error = (version, e)
+            with self._loaded_changed:  # the message only: the exception's frames would hold the weights
+                self._push_error = (version, f"{type(e).__name__}: {e}")
                 self._loaded_changed.notify_all()
             raise
         with self._loaded_changed:
@@ -132,10 +133,11 @@ class EnginePool:
         deadline = time.monotonic() + timeout_s
         with self._loaded_changed:
             while self._loaded is None or self._loaded < version:
+                if self._closing:
+                    raise RuntimeError(f"the engine pool shut down while waiting for weights v{version}")
                 if self._push_error is not None and self._push_error[0] >= version:
                     failed, cause = self._push_error
-                    raise RuntimeError(f"the push of weights v{failed} failed: {type(cause).__name__}: {cause}") \
-                        from cause
+                    raise RuntimeError(f"the push of weights v{failed} failed: {cause}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     waited = f" (waited {timeout_s:g} s for a push)" if timeout_s > 0 else ""
@@ -224,8 +226,9 @@ class EnginePool:
     def shutdown(self) -> None:
         """Let every live engine release what it started, then end the actors. A generate call still under way in
         another thread (a rollout asked for ahead, in loop=async) fails instead of replacing them."""
-        with self._lock:
+        with self._loaded_changed:
             self._closing = True
+            self._loaded_changed.notify_all()  # a generate call waiting for a push gives up
             engines = [self.engines[index] for index in self._serving()]
         calls = [engine.shutdown.remote() for engine in engines]
         for engine, call in zip(engines, calls):
