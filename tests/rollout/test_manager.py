@@ -157,3 +157,29 @@ def test_a_rollout_waits_for_the_push_of_its_version(ray_local, tmp_path):
     finally:
         ray.get(manager.shutdown.remote())
     assert {v for vs in versions for v in vs} == {1}
+
+
+class PoisonedWeights:
+    """Weights that cannot be unpacked where they arrive: the push fails in the manager before it reaches the
+    engine pool (as when the weights are lost with the writer's node)."""
+
+    def __reduce__(self):
+        return int, ("poisoned weights",)
+
+
+def test_a_push_that_fails_before_the_engines_is_the_rollouts_error_at_once(ray_local, tmp_path):
+    """The driver does not wait for a push (``RolloutQueue.push``); when the push fails before it reaches the
+    engines, the rollout that waits for those weights fails with the push's error as soon as it is known, not at
+    the rollout's deadline."""
+    from rlfw.rollout.queue import RolloutQueue
+
+    manager = start_manager(tmp_path, version=0)
+    queue = RolloutQueue(manager, max_staleness=0, num_steps=4, timeout_s=600)
+    try:
+        queue.push(PoisonedWeights(), 1)  # returns at once
+        queue.fill(1, 1)
+        with pytest.raises(Exception, match="poisoned weights") as failure:
+            queue.take(1)
+        assert "did not finish within" not in str(failure.value)
+    finally:
+        ray.get(manager.shutdown.remote())

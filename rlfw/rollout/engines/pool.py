@@ -80,6 +80,8 @@ class EnginePool:
         self._loaded_changed = threading.Condition(self._lock)
         self._closing = False  # set by shutdown: no engine is replaced any more
         # Engine seconds spent in generate calls: finished calls, and the start of each engine's call under way.
+        # A lock of their own: the driver reads them every step, also while a restart holds ``_lock`` for minutes.
+        self._busy_lock = threading.Lock()
         self._busy_total = 0.0
         self._busy_since: dict[int, float] = {}
 
@@ -96,7 +98,7 @@ class EnginePool:
 
     def busy_seconds(self) -> float:
         """Engine seconds spent generating since the pool started (calls under way count up to now)."""
-        with self._lock:
+        with self._busy_lock:
             now = time.monotonic()
             return self._busy_total + sum(now - since for since in self._busy_since.values())
 
@@ -182,8 +184,9 @@ class EnginePool:
                 index = idle.popleft()
                 with self._lock:
                     engine = self.engines[index]
-                    if engine is None:  # retired by the weights thread meanwhile
-                        continue
+                if engine is None:  # retired by the weights thread meanwhile
+                    continue
+                with self._busy_lock:
                     self._busy_since[index] = time.monotonic()
                 chunk = [pending.popleft() for _ in range(min(chunk_size, len(pending)))]
                 call = engine.generate.remote([requests[i] for i in chunk], chunk_params(params, chunk))
@@ -220,7 +223,7 @@ class EnginePool:
         return results  # type: ignore[return-value]  (every slot is filled once the queue is empty)
 
     def _call_ended(self, index: int) -> None:
-        with self._lock:
+        with self._busy_lock:
             self._busy_total += time.monotonic() - self._busy_since.pop(index)
 
     def shutdown(self) -> None:
