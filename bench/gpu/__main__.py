@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -33,7 +34,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", default="",
                         help="comma-separated: check,head,before,variants (unfused: just its SwiGLU row; rope, "
-                             "wgrad: just their unfused rows),bare,profile,recompute")
+                             "wgrad, oldhead, oldoptim: just their rows of the code before),bare,profile,recompute")
     parser.add_argument("--head-tokens", default="8192,16384,32768,65536", help="token counts of the head's own rows")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -75,10 +76,12 @@ def main() -> None:
     results.record(kind="build", dense_mask=trainer.dense_mask,
                    adam=[{k: g[k] for k in ("fused", "foreach")} for g in setup.adam_groups(trainer)])
 
-    def timed(name, fn, data, **extra):
+    def timed(name, fn, data, within=contextlib.nullcontext, **extra):
         setup.free()  # and a fresh peak-memory count
         try:
-            results.timing(name, shape, lengths[data], steps.repeat(fn, args.repeats), data=data, **extra)
+            with within():
+                runs = steps.repeat(fn, args.repeats)
+            results.timing(name, shape, lengths[data], runs, data=data, **extra)
         except Exception as exc:  # noqa: BLE001  (one failed row must not lose the others)
             traceback.print_exc()
             results.failed(name, exc)
@@ -119,6 +122,12 @@ def main() -> None:
                   "packed", budget=budgets[-1])
             for m in linear:
                 m.gradient_accumulation_fusion = True
+        if "oldhead" not in skip:  # the head's kernels compiled with every size symbolic, bf16 weight-grad products
+            timed(f"rlfw step packed {budgets[-1]}, head compiled as before", rlfw(budgets[-1], "packed"), "packed",
+                  within=head.as_before, budget=budgets[-1])
+        if "oldoptim" not in skip:  # Megatron's per-tensor loops for the grad norm and the master weights' copy
+            timed(f"rlfw step packed {budgets[-1]}, Megatron's optimizer loops", rlfw(budgets[-1], "packed"),
+                  "packed", within=setup.megatron_fallbacks, budget=budgets[-1])
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
         timed(f"rlfw step packed {budgets[-1]}, full recompute", rlfw(budgets[-1], "packed"), "packed",
               budget=budgets[-1])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import torch
@@ -59,3 +60,19 @@ def free() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+
+
+@contextlib.contextmanager
+def megatron_fallbacks():
+    """Megatron's own per-tensor loops for the grad norm, the clipping and the master weights' bf16 copy (without
+    Apex or TE), in place of the foreach kernels ``rlfw.megatron.multi_tensor`` gives it."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    saved = clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, optimizer.multi_tensor_scale_impl
+    clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
+    clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = utils.local_multi_tensor_scale
+    try:
+        yield
+    finally:
+        clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, optimizer.multi_tensor_scale_impl = saved

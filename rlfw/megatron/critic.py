@@ -21,7 +21,7 @@ import torch
 from rlfw.data.batch import RolloutBatch
 from rlfw.megatron.model import ModelShape, build_gpt, takes_sequence_offsets, transformer_config
 from rlfw.megatron.packing import build_rows, microbatches, pack_by_token_budget
-from rlfw.megatron.policy import PolicyTrainer, row_output, use_fused_adam
+from rlfw.megatron.policy import PolicyTrainer, megatron_adam, row_output
 
 
 def value_loss(
@@ -110,7 +110,6 @@ class ValueTrainer:
     ):
         from megatron.core import tensor_parallel
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.shape, self.algo, self.critic, self.device = shape, algo, critic, device
         self.bf16 = bf16 and device.type == "cuda"
@@ -127,16 +126,9 @@ class ValueTrainer:
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
         self.model = DistributedDataParallel(self.config, ddp_config, module)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", lr=critic.lr, weight_decay=algo.weight_decay, adam_beta1=algo.adam_beta1,
-                adam_beta2=algo.adam_beta2, clip_grad=algo.grad_clip, bf16=self.bf16,
-                params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
-            ),
-            [self.model],
-        )
-        if device.type == "cuda":
-            use_fused_adam(self.optimizer)
+        self.optimizer = megatron_adam(self.model, device, self.bf16, lr=critic.lr, weight_decay=algo.weight_decay,
+                                       adam_beta1=algo.adam_beta1, adam_beta2=algo.adam_beta2,
+                                       clip_grad=algo.grad_clip)
 
     def load_hf_policy(self, path: str) -> None:
         """Initialise the trunk and final norm from the HF checkpoint the policy starts from."""

@@ -20,10 +20,13 @@ tensor-parallel group (three floats per token), the weight is never gathered.
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
 import torch.distributed as dist
+
+from rlfw.megatron.wgrad import add_weight_grad
 
 
 def emit_hidden_states(gpt, emit: bool = True) -> None:
@@ -83,17 +86,23 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     return logprobs.view(lead), (ent.view(lead) if entropy else None)
 
 
-def _on_device_compiled(fn):
+def _on_device_compiled(fn, dynamic: bool | None = None):
     """``fn`` compiled by torch.compile on CUDA tensors (one fused kernel per chunk instead of a pass over the
-    [chunk, vocab] fp32 logits per element-wise op), as is on CPU: the same math, which the CPU tests pin."""
+    [chunk, vocab] fp32 logits per element-wise op), as is on CPU: the same math, which the CPU tests pin.
+
+    ``dynamic=None`` (torch's automatic dynamic shapes): the first chunk compiles for its shapes, and the first
+    chunk of another length recompiles with the token count symbolic. The vocabulary size stays a constant, so a
+    kernel finds each element's row by a division by a constant; with ``dynamic=True`` it divides by a runtime value
+    for each of a chunk's 600M elements (BENCHMARKS.md, the head's own table, measures both)."""
     compiled = None
 
+    @functools.wraps(fn)
     def call(logits, *args):
         nonlocal compiled
         if not logits.is_cuda:
             return fn(logits, *args)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=True)
+            compiled = torch.compile(fn, dynamic=dynamic)
         return compiled(logits, *args)
 
     return call
@@ -181,7 +190,7 @@ class _ChunkedHead(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[lo:hi] = grad @ weight
             if grad_weight is not None:
-                grad_weight.add_(grad.t() @ hidden[lo:hi])
+                add_weight_grad(hidden[lo:hi], grad, grad_weight)  # fp32 sum, inside the GEMM on CUDA
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None

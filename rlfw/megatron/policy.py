@@ -13,6 +13,7 @@ import torch
 
 from rlfw.algo.losses import needs_reference, policy_loss
 from rlfw.data.batch import RolloutBatch
+from rlfw.megatron import multi_tensor
 from rlfw.megatron.head import emit_hidden_states, head_logprobs, head_weight
 from rlfw.megatron.model import ModelShape, build_gpt, takes_sequence_offsets, transformer_config
 from rlfw.megatron.packing import MicroBatch, build_rows, microbatches, pack_by_token_budget
@@ -28,8 +29,6 @@ class PolicyTrainer:
     ):
         from megatron.core import tensor_parallel
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         self.shape, self.algo, self.device = shape, algo, device
         # The engine samples from softmax(logits / T); recomputed log-probs must use the same distribution.
         self.temperature = temperature if temperature > 0 else 1.0
@@ -58,21 +57,9 @@ class PolicyTrainer:
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
         self.model = DistributedDataParallel(self.config, ddp_config, module)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=algo.lr,
-                weight_decay=algo.weight_decay,
-                adam_beta1=algo.adam_beta1,
-                adam_beta2=algo.adam_beta2,
-                clip_grad=algo.grad_clip,
-                bf16=self.bf16,
-                params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
-            ),
-            [self.model],
-        )
-        if device.type == "cuda":
-            use_fused_adam(self.optimizer)
+        self.optimizer = megatron_adam(self.model, device, self.bf16, lr=algo.lr, weight_decay=algo.weight_decay,
+                                       adam_beta1=algo.adam_beta1, adam_beta2=algo.adam_beta2,
+                                       clip_grad=algo.grad_clip)
 
     # ----------------------------------------------------------------------------------------------- log-probs
     def _head(self, gpt, hidden: torch.Tensor, labels: torch.Tensor, entropy: bool = False):
@@ -229,6 +216,23 @@ def all_finite(tensors: List[torch.Tensor], chunk: int = FINITE_CHECK_CHUNK) -> 
     (BENCHMARKS.md). In chunks the extra memory is one chunk's; the bytes read are the same."""
     checks = [torch.isfinite(part).all() for t in tensors for part in t.reshape(-1).split(chunk)]
     return bool(torch.stack(checks).all()) if checks else True  # one host sync for all the chunks
+
+
+def megatron_adam(model, device: torch.device, bf16: bool, **config):
+    """Megatron's Adam over ``model`` (Megatron DDP): fp32 master weights and state under bf16, clipping by the
+    global grad norm; on foreach kernels where Megatron lacks Apex's (``rlfw.megatron.multi_tensor``) and, on CUDA,
+    as torch's fused kernel (``use_fused_adam``). ``config``: OptimizerConfig's fields."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    multi_tensor.install()
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                        **config),
+        [model],
+    )
+    if device.type == "cuda":
+        use_fused_adam(optimizer)
+    return optimizer
 
 
 def use_fused_adam(optimizer) -> None:

@@ -17,6 +17,7 @@ the fusion off where this torch lacks it.
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -39,8 +40,20 @@ def accumulate_same_dtype(total_input: torch.Tensor, grad_output: torch.Tensor, 
 WGRAD_ACCUMULATE = SimpleNamespace(wgrad_gemm_accum_fp32=accumulate_fp32, wgrad_gemm_accum_fp16=accumulate_same_dtype)
 
 
-def _works_on(device: torch.device) -> bool:
-    """Whether this torch runs the mixed-precision accumulation on ``device``, with the right sum."""
+def add_weight_grad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """``main_grad += grad_output^T @ total_input`` for any caller holding an fp32 sum of weight gradients (the
+    chunked output head): inside the GEMM where this torch can, else the product in the inputs' dtype added
+    afterwards."""
+    if total_input.dtype == main_grad.dtype or works_on(main_grad.device):
+        accumulate_fp32(total_input, grad_output, main_grad)
+    else:
+        main_grad.add_(grad_output.t() @ total_input)
+
+
+@functools.lru_cache(maxsize=None)
+def works_on(device: torch.device) -> bool:
+    """Whether this torch runs the mixed-precision accumulation on ``device``, with the right sum (probed once per
+    device)."""
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(64, 32, generator=g, device=device).bfloat16()
     dy = torch.randn(64, 16, generator=g, device=device).bfloat16()
@@ -59,7 +72,7 @@ def install() -> bool:
     from megatron.core.tensor_parallel import layers
 
     if not layers._grad_accum_fusion_available:
-        if not torch.cuda.is_available() or not _works_on(torch.device("cuda", torch.cuda.current_device())):
+        if not torch.cuda.is_available() or not works_on(torch.device("cuda", torch.cuda.current_device())):
             return False
         layers.fused_weight_gradient_mlp_cuda = WGRAD_ACCUMULATE
         layers._grad_accum_fusion_available = True

@@ -12,7 +12,7 @@ from rlfw.megatron import wgrad
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 on the GPU: run on the device (BENCHMARKS.md)")
 def test_fused_accumulation_is_as_close_to_fp32_math_as_the_separate_addition():
     device = torch.device("cuda")
-    assert wgrad._works_on(device)
+    assert wgrad.works_on(device)
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(16384, 1536, generator=g, device=device).bfloat16()  # fc1's input, a 16k-token micro-batch
     dy = (torch.randn(16384, 2048, generator=g, device=device) * 1e-2).bfloat16()

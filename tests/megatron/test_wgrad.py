@@ -20,9 +20,9 @@ def test_install_hands_megatron_the_accumulation(monkeypatch):
     assert not wgrad.install() and not layers._grad_accum_fusion_available  # no CUDA: Megatron's default stays
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(wgrad, "_works_on", lambda device: False)
+    monkeypatch.setattr(wgrad, "works_on", lambda device: False)
     assert not wgrad.install()  # a torch without the mixed-precision addmm: left off
-    monkeypatch.setattr(wgrad, "_works_on", lambda device: True)
+    monkeypatch.setattr(wgrad, "works_on", lambda device: True)
     assert wgrad.install() and layers._grad_accum_fusion_available
     assert layers.fused_weight_gradient_mlp_cuda is wgrad.WGRAD_ACCUMULATE
 
