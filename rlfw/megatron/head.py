@@ -93,7 +93,7 @@ def _on_device_compiled(fn, dynamic: bool | None = None):
     ``dynamic=None`` (torch's automatic dynamic shapes): the first chunk compiles for its shapes, and the first
     chunk of another length recompiles with the token count symbolic. The vocabulary size stays a constant, so a
     kernel finds each element's row by a division by a constant; with ``dynamic=True`` it divides by a runtime value
-    for each of a chunk's 600M elements (BENCHMARKS.md, the head's own table, measures both)."""
+    for each of a chunk's 600M elements (``python -m bench.gpu``'s head rows time both ways)."""
     compiled = None
 
     @functools.wraps(fn)

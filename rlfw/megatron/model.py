@@ -117,10 +117,11 @@ def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool =
 CORE_ATTENTION = ("auto", "sdpa", "megatron")
 
 
-def layer_spec(shape: ModelShape, core_attention: str = "auto"):
+def layer_spec(shape: ModelShape, core_attention: str = "auto", device: torch.device | None = None):
     """The transformer layer spec. ``core_attention``: ``"megatron"`` is Megatron's local spec with its unfused
     ``DotProductAttention``; ``"sdpa"`` the local spec with ``rlfw.megatron.attention.SDPAttention`` (PyTorch's fused
-    kernels, varlen flash for packed rows); ``"auto"`` is SDPA on CUDA and Megatron's own attention on CPU.
+    kernels, varlen flash for packed rows); ``"auto"`` is SDPA on CUDA and Megatron's own attention on CPU, by
+    ``device`` (where the model runs; None: CUDA if this process sees a GPU), like ``transformer_config``.
 
     Transformer Engine's spec is not used: its attention reads sequence offsets only in THD format, not from the
     ``PackedRow`` (``sbhd``) that carries rlfw's packed rows, so sequences packed into one row would attend to each
@@ -128,7 +129,8 @@ def layer_spec(shape: ModelShape, core_attention: str = "auto"):
     if core_attention not in CORE_ATTENTION:
         raise ValueError(f"core_attention must be one of {CORE_ATTENTION}, not {core_attention!r}")
     if core_attention == "auto":
-        core_attention = "sdpa" if torch.cuda.is_available() else "megatron"
+        on_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+        core_attention = "sdpa" if on_cuda else "megatron"
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
@@ -139,15 +141,17 @@ def layer_spec(shape: ModelShape, core_attention: str = "auto"):
     return spec
 
 
-def build_gpt(shape: ModelShape, config, core_attention: str = "auto", post_process: bool = True) -> torch.nn.Module:
+def build_gpt(shape: ModelShape, config, core_attention: str = "auto", post_process: bool = True,
+              device: torch.device | None = None) -> torch.nn.Module:
     """A GPTModel for this pipeline stage (parallel_state must be initialised); ``post_process=False`` leaves out
-    the final norm and output layer on every stage (the critic's trunk, ``rlfw.megatron.critic``)."""
+    the final norm and output layer on every stage (the critic's trunk, ``rlfw.megatron.critic``); ``device``: where
+    it will run, which ``core_attention="auto"`` follows (``layer_spec``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(shape, core_attention),
+        transformer_layer_spec=layer_spec(shape, core_attention, device),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_seq_len,
         pre_process=parallel_state.is_pipeline_first_stage(),

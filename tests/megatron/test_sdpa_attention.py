@@ -51,7 +51,7 @@ def assert_close(a, b, atol=ATOL):
     assert diff <= atol, f"max |diff| {diff:.3g} > {atol}"
 
 
-def test_core_attention_choice(megatron_world):
+def test_core_attention_choice(megatron_world, monkeypatch):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from rlfw.megatron.attention import SDPAttention
@@ -64,6 +64,11 @@ def test_core_attention_choice(megatron_world):
     assert core(layer_spec(GQA, "sdpa")) is SDPAttention
     if not torch.cuda.is_available():  # the CPU default is unchanged
         assert core(layer_spec(GQA)) is DotProductAttention
+    # "auto" follows the model's device, not the GPUs visible (a CPU trainer on a GPU host keeps the CPU path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert core(layer_spec(GQA, device=torch.device("cpu"))) is DotProductAttention
+    assert core(layer_spec(GQA, device=torch.device("cuda", 0))) is SDPAttention
+    assert core(layer_spec(GQA)) is SDPAttention
     with pytest.raises(ValueError):
         layer_spec(GQA, "flash")
 
