@@ -76,3 +76,25 @@ def megatron_fallbacks():
         yield
     finally:
         clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, optimizer.multi_tensor_scale_impl = saved
+
+
+@contextlib.contextmanager
+def fusions_off(trainer):
+    """``trainer`` on plain PyTorch math: Megatron's unfused SwiGLU and RoPE, DDP's separate addition of each weight
+    gradient, and the chunked head's element-wise work eager (``rlfw.megatron.head``'s CPU path); all set back after.
+    Megatron reads the config at every forward; the linear layers keep their own accumulation switch."""
+    from rlfw.megatron import head
+
+    config = trainer.config
+    saved = config.bias_activation_fusion, config.apply_rope_fusion, head._chunk_stats, head._chunk_grad
+    linear = [m for m in trainer.model.modules() if getattr(m, "gradient_accumulation_fusion", False)]
+    config.bias_activation_fusion = config.apply_rope_fusion = False
+    head._chunk_stats, head._chunk_grad = head._chunk_stats.__wrapped__, head._chunk_grad.__wrapped__
+    for m in linear:
+        m.gradient_accumulation_fusion = False
+    try:
+        yield
+    finally:
+        config.bias_activation_fusion, config.apply_rope_fusion, head._chunk_stats, head._chunk_grad = saved
+        for m in linear:
+            m.gradient_accumulation_fusion = True
