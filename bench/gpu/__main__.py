@@ -125,7 +125,7 @@ def main() -> None:
         if "oldhead" not in skip:  # the head's kernels compiled with every size symbolic, bf16 weight-grad products
             timed(f"rlfw step packed {budgets[-1]}, head compiled as before", rlfw(budgets[-1], "packed"), "packed",
                   within=head.as_before, budget=budgets[-1])
-        if "oldoptim" not in skip:  # Megatron's per-tensor loops for the grad norm and the master weights' copy
+        if "oldoptim" not in skip:  # Megatron's per-tensor loops for the grad norm and the clipping
             timed(f"rlfw step packed {budgets[-1]}, Megatron's optimizer loops", rlfw(budgets[-1], "packed"),
                   "packed", within=setup.megatron_fallbacks, budget=budgets[-1])
         config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1

@@ -64,18 +64,24 @@ def free() -> None:
 
 @contextlib.contextmanager
 def megatron_fallbacks():
-    """Megatron's own per-tensor loops for the grad norm, the clipping and the master weights' bf16 copy (without
-    Apex or TE), in place of the foreach kernels ``rlfw.megatron.multi_tensor`` gives it."""
+    """Megatron's own per-tensor loops for the grad norm and the clipping (without Apex or TE), where
+    ``rlfw.megatron.multi_tensor`` put foreach kernels; set back after."""
     from megatron.core import utils
-    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.optimizer import clip_grads
 
-    saved = clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, optimizer.multi_tensor_scale_impl
-    clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
-    clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = utils.local_multi_tensor_scale
+    from rlfw.megatron import multi_tensor
+
+    swapped = {name: ours for name, ours in (("l2_norm_impl", multi_tensor.l2_norm),
+                                             ("multi_tensor_scale_impl", multi_tensor.scale))
+               if getattr(clip_grads, name) is ours}
+    local = {"l2_norm_impl": utils.local_multi_tensor_l2_norm, "multi_tensor_scale_impl": utils.local_multi_tensor_scale}
+    for name in swapped:
+        setattr(clip_grads, name, local[name])
     try:
         yield
     finally:
-        clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, optimizer.multi_tensor_scale_impl = saved
+        for name, ours in swapped.items():
+            setattr(clip_grads, name, ours)
 
 
 @contextlib.contextmanager

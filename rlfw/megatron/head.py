@@ -90,10 +90,10 @@ def _on_device_compiled(fn, dynamic: bool | None = None):
     """``fn`` compiled by torch.compile on CUDA tensors (one fused kernel per chunk instead of a pass over the
     [chunk, vocab] fp32 logits per element-wise op), as is on CPU: the same math, which the CPU tests pin.
 
-    ``dynamic=None`` (torch's automatic dynamic shapes): the first chunk compiles for its shapes, and the first
-    chunk of another length recompiles with the token count symbolic. The vocabulary size stays a constant, so a
-    kernel finds each element's row by a division by a constant; with ``dynamic=True`` it divides by a runtime value
-    for each of a chunk's 600M elements (``python -m bench.gpu``'s head rows time both ways)."""
+    The token count (the first dimension of every tensor argument) is symbolic from the first call on, so chunks of
+    any length share one graph; the vocabulary size stays a constant (``dynamic=None``), so a kernel finds each
+    element's row by a division by a constant. With ``dynamic=True`` it divides by a runtime value for each of a
+    chunk's 600M elements (``python -m bench.gpu``'s head rows time both ways)."""
     compiled = None
 
     @functools.wraps(fn)
@@ -103,6 +103,9 @@ def _on_device_compiled(fn, dynamic: bool | None = None):
             return fn(logits, *args)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=dynamic)
+        for t in (logits, *args):
+            if isinstance(t, torch.Tensor) and t.dim():
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         return compiled(logits, *args)
 
     return call

@@ -220,8 +220,8 @@ def all_finite(tensors: List[torch.Tensor], chunk: int = FINITE_CHECK_CHUNK) -> 
 
 def megatron_adam(model, device: torch.device, bf16: bool, **config):
     """Megatron's Adam over ``model`` (Megatron DDP): fp32 master weights and state under bf16, clipping by the
-    global grad norm; on foreach kernels where Megatron lacks Apex's (``rlfw.megatron.multi_tensor``) and, on CUDA,
-    as torch's fused kernel (``use_fused_adam``). ``config``: OptimizerConfig's fields."""
+    global grad norm, computed on foreach kernels where Megatron lacks Apex's (``rlfw.megatron.multi_tensor``); on
+    CUDA, Adam as torch's fused kernel (``use_fused_adam``). ``config``: OptimizerConfig's fields."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     multi_tensor.install()

@@ -1,6 +1,6 @@
-"""Megatron's optimizer helpers on foreach kernels (``rlfw.megatron.multi_tensor``): the same grad norm, clipping and
-master-weight copy as Megatron's per-tensor fallbacks, reached through Megatron's own module globals (private hooks,
-pinned here against the installed megatron-core)."""
+"""Megatron's grad norm and clipping on foreach kernels (``rlfw.megatron.multi_tensor``): the same results as
+Megatron's per-tensor fallbacks, reached through Megatron's own module globals (private hooks, pinned here against
+the installed megatron-core)."""
 
 import pytest
 import torch
@@ -25,6 +25,16 @@ def test_l2_norm_is_the_norm_of_all_tensors_together():
     torch.testing.assert_close(total[0], torch.linalg.vector_norm(torch.cat([t.flatten() for t in ts])))
     torch.testing.assert_close(per, torch.stack([torch.linalg.vector_norm(t) for t in ts]))
     assert multi_tensor.l2_norm(0, None, [ts], False)[1] is None
+    halves = [t.to(torch.bfloat16) * 300 for t in ts]  # squares past bf16's precision: accumulated in fp32
+    exact = torch.linalg.vector_norm(torch.cat([h.double().flatten() for h in halves]))
+    assert multi_tensor.l2_norm(0, None, [halves], False)[0].dtype == torch.float32
+    assert multi_tensor.l2_norm(0, None, [halves], False)[0].item() == pytest.approx(exact.item(), rel=1e-6)
+
+
+def test_empty_lists_are_nothing_to_do():
+    total, per = multi_tensor.l2_norm(0, torch.zeros(1, dtype=torch.int), [[]], True)
+    assert total.tolist() == [0.0] and per.numel() == 0
+    multi_tensor.scale(0, None, [[], []], 0.5)
 
 
 def test_scale_copies_scales_and_casts():
@@ -41,31 +51,38 @@ def test_scale_copies_scales_and_casts():
 
 
 @pytest.fixture
-def megatron_globals(monkeypatch):
-    """Megatron's module globals as imported (without Apex or TE: the local fallbacks); restored after the test."""
+def clip_grads(monkeypatch):
+    """Megatron's clip_grads module with its globals as imported (without Apex or TE: the local fallbacks);
+    restored after the test."""
     from megatron.core import utils
-    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.optimizer import clip_grads
 
     monkeypatch.setattr(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm)
     monkeypatch.setattr(clip_grads, "multi_tensor_scale_impl", utils.local_multi_tensor_scale)
-    monkeypatch.setattr(optimizer, "multi_tensor_scale_impl", utils.local_multi_tensor_scale)
-    return clip_grads, optimizer
+    return clip_grads
 
 
-def test_install_replaces_only_megatrons_fallbacks(megatron_globals, monkeypatch):
-    clip_grads, optimizer = megatron_globals
+def test_install_replaces_only_megatrons_fallbacks(clip_grads, monkeypatch):
     assert multi_tensor.install()
     assert clip_grads.l2_norm_impl is multi_tensor.l2_norm
-    assert clip_grads.multi_tensor_scale_impl is optimizer.multi_tensor_scale_impl is multi_tensor.scale
+    assert clip_grads.multi_tensor_scale_impl is multi_tensor.scale
     apex_kernel = object()  # what Apex or TE would have bound: left alone
     monkeypatch.setattr(clip_grads, "l2_norm_impl", apex_kernel)
     assert multi_tensor.install() and clip_grads.l2_norm_impl is apex_kernel
 
 
-def test_megatrons_step_takes_its_grad_norm_from_the_foreach_kernels(megatron_world, megatron_globals, monkeypatch):
+def test_megatrons_clipping_reaches_scale(clip_grads):
+    assert multi_tensor.install() and clip_grads.multi_tensor_scale_impl is multi_tensor.scale
+    grads = tensors(6)
+    expected = [g * 0.125 for g in grads]
+    clip_grads.multi_tensor_applier(clip_grads.multi_tensor_scale_impl, torch.zeros(1, dtype=torch.int),
+                                    [grads, grads], 0.125)  # the call clip_grad_by_total_norm_fp32 makes
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected))
+
+
+def test_megatrons_step_takes_its_grad_norm_from_the_foreach_kernels(megatron_world, clip_grads, monkeypatch):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    clip_grads, _ = megatron_globals
     torch.manual_seed(0)
     config = transformer_config(SHAPE)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
@@ -88,12 +105,3 @@ def test_megatrons_step_takes_its_grad_norm_from_the_foreach_kernels(megatron_wo
     assert {id(t) for t in calls[0]} == {id(p.main_grad) for p in model.module.parameters()}  # every main grad
     expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item()
     assert grad_norm == pytest.approx(expected, rel=1e-5)  # fp32 sums in another order
-
-
-def test_megatrons_master_weight_copy_reaches_scale(megatron_globals):
-    from megatron.core.optimizer.optimizer import _multi_tensor_copy_this_to_that
-
-    multi_tensor.install()
-    main, model = tensors(4), tensors(5, torch.bfloat16)
-    _multi_tensor_copy_this_to_that(main, model, overflow_buf=torch.zeros(1, dtype=torch.int))
-    assert all(torch.equal(w, m.to(torch.bfloat16)) for m, w in zip(main, model))
