@@ -306,8 +306,9 @@ class CellGroup:
                 if (rid := self.cells[cid].replica_id) in ages and ages[rid] > self.cfg.ft.stall_timeout_s}
 
     def _fan_out(self, calls: Dict[int, Callable[[Cell], List[ray.ObjectRef]]], phase: str,
-                 deadline_s: Optional[float] = None) -> Dict[int, Any]:
-        """Run one call per cell; returns {cell id: leader's result} for the cells that finished.
+                 deadline_s: Optional[float] = None, every_rank: bool = False) -> Dict[int, Any]:
+        """Run one call per cell; returns {cell id: leader's result} (``every_rank``: the list of every rank's, in
+        rank order) for the cells that finished.
 
         A cell is failed when its call raises, its actor dies, its result is lost with its node, its heartbeat stops for ft.stall_timeout_s, or the
         call runs past ``deadline_s`` (default: the phase's measured deadline). A cell merely slower than its peers
@@ -346,7 +347,7 @@ class CellGroup:
                     del pending[cell_id]
                     self._fail(self.cells[cell_id], failed, phase, call_elapsed_s=time.monotonic() - started)
                 elif len(done) == len(rs):
-                    results[cell_id] = ray.get(rs[0])
+                    results[cell_id] = ray.get(rs) if every_rank else ray.get(rs[0])
                     self.slowest[phase] = max(self.slowest.get(phase, 0.0), time.monotonic() - started)
                     del pending[cell_id]
             if phase == "train" and pending and not results:
@@ -499,15 +500,12 @@ class CellGroup:
         return cursor["minibatch_index"] + 1 if cursor["rl_step"] == step else 0
 
     def weights_digests(self) -> Dict[int, str]:
-        """Per cell, one SHA-256 over every rank's digest in rank order: equal iff every TP shard is equal."""
+        """Per cell, one SHA-256 over every rank's digest in rank order: equal iff every TP shard is equal. A cell
+        that dies, stalls or hangs here is failed like in any other call (the phase's deadline), not waited for."""
         cells = self._require_cells(current_only=True)
-        refs = [[w.weights_digest.remote() for w in c.world.workers] for c in cells]
-        per_rank = get_all([r for rs in refs for r in rs])
-        digests, start = {}, 0
-        for cell, rs in zip(cells, refs):
-            digests[cell.id] = hashlib.sha256("".join(per_rank[start:start + len(rs)]).encode()).hexdigest()
-            start += len(rs)
-        return digests
+        per_rank = self._fan_out({c.id: lambda c: [w.weights_digest.remote() for w in c.world.workers]
+                                  for c in cells}, "verify", every_rank=True)
+        return {cell_id: hashlib.sha256("".join(ranks).encode()).hexdigest() for cell_id, ranks in per_rank.items()}
 
     def step_info(self) -> Dict[str, float]:
         return {"cells/alive": len(self.alive_cells()),
