@@ -99,6 +99,11 @@ def resolve(rule: str, joined: bool, ray_node_ip: Optional[str] = None) -> str:
     return rule
 
 
+def host_port(address: str, port: int) -> str:
+    """``address:port`` as URLs and bind strings spell it: an IPv6 address in brackets."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
 def interface_of(address: str) -> Optional[str]:
     """The interface that holds ``address`` (Gloo's ``GLOO_SOCKET_IFNAME``), or None."""
     for name, ips in _addresses().items():

@@ -9,6 +9,8 @@ from typing import Dict
 
 from torchft.coordination import LighthouseServer
 
+from rlfw.cluster.address import host_port
+
 # One line per replica on the Lighthouse's /status page (torchft 0.2.0's templates/status.html), e.g.
 # ``cell_1:4f0c...: seen 0.0123s ago``. torchft has no other way to read the heartbeats; tests/ft pins the format.
 _HEARTBEAT = re.compile(r"^\s*(\S+): seen ([0-9.eE+-]+)s ago\s*$", re.MULTILINE)
@@ -19,14 +21,14 @@ class Lighthouse:
 
     def __init__(self, host: str, port: int, min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float):
         self._server = LighthouseServer(
-            bind=f"{host}:{port}",
+            bind=host_port(host, port),
             min_replicas=min_replicas,
             join_timeout_ms=int(join_timeout_s * 1000),
             quorum_tick_ms=20,
             heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000),
         )
         # address() advertises the machine's hostname; clients must use the interface we bound.
-        self.address = f"http://{host}:{self._server.address().rsplit(':', 1)[1]}"
+        self.address = f"http://{host_port(host, int(self._server.address().rsplit(':', 1)[1]))}"
 
     def shutdown(self) -> None:
         self._server.shutdown()

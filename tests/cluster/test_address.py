@@ -53,3 +53,12 @@ def test_a_store_listens_on_its_address_only():
     local = {c.laddr for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
     assert ("127.0.0.1", store.port) in {(a.ip, a.port) for a in local}
     assert not any(a.port == store.port and a.ip in ("0.0.0.0", "::") for a in local)
+
+
+def test_host_port_brackets_ipv6():
+    from rlfw.cluster.address import host_port
+
+    assert host_port("127.0.0.1", 80) == "127.0.0.1:80"
+    assert host_port("10.0.0.7", 30000) == "10.0.0.7:30000"
+    assert host_port("::1", 8080) == "[::1]:8080"
+    assert host_port("fd00::2", 1) == "[fd00::2]:1"

@@ -546,3 +546,24 @@ def test_killed_server_batch_is_resent_and_server_restarted_with_current_weights
     assert len(starts) == 3
     for pid in [e["pid"] for e in starts] + [e["child_pid"] for e in starts]:
         wait_for(lambda pid=pid: not alive(pid), f"process {pid} to end")  # no server or child outlives the pool
+
+
+def test_a_push_the_server_refuses_leaves_the_engine_on_the_weights_it_holds(server, tmp_path):
+    """The engine labels every token with its weight version: after a failed push it must still name the weights
+    the server holds, not the ones it failed to load."""
+    engine = attached(tmp_path, server["url"])
+    engine.update_weights(STATE_A, version=7)
+    other = save_server_checkpoint(tmp_path / "other", STATE_B, SHAPE, EOS)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4 * SHAPE.max_seq_len}))
+    with pytest.raises(RuntimeError, match="could not load"):  # another model: the server refuses it
+        engine.update_weights_from_dir(str(other), version=8)
+    assert engine.weight_version == 7
+    assert_same(engine.generate(PROMPTS, GREEDY), reference(STATE_A, PROMPTS, GREEDY), version=7)
+
+
+def test_a_launched_servers_url_is_the_resolved_address(tmp_path):
+    """``cluster.host=auto`` on a local run: the engine talks to the loopback address its server binds, not to a
+    host named "auto"."""
+    engine = SGLangEngine(sglang_cfg(), SHAPE, EOS, 0, 0, "auto", tmp_path / "engine_0")
+    assert engine.server.url == f"http://127.0.0.1:{sglang_cfg().base_port}"

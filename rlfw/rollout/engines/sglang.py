@@ -51,7 +51,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from rlfw.cluster.address import resolve
+from rlfw.cluster.address import host_port, resolve
 from rlfw.config.schema import SGLangConfig
 from rlfw.megatron.hf_checkpoint import save_hf_checkpoint
 from rlfw.megatron.model import ModelShape
@@ -122,7 +122,7 @@ class SGLangEngine(Engine):
         self.launch = not cfg.urls
         if not self.launch and index >= len(cfg.urls):
             raise ValueError(f"SGLang engine {index} has no server: rollout.sglang.urls lists {len(cfg.urls)}")
-        url = f"http://{host}:{cfg.base_port + index}" if self.launch else cfg.urls[index]
+        url = f"http://{host_port(self.host, cfg.base_port + index)}" if self.launch else cfg.urls[index]
         self.name = f"SGLang engine {index}"
         self.server = SGLangClient(url, cfg.request_timeout_s, cfg.control_timeout_s)
         self.router = (
@@ -278,19 +278,26 @@ class SGLangEngine(Engine):
     # --- the server ------------------------------------------------------------------------------------------
 
     def _load(self, path: Path, version: int) -> None:
+        """Make the server hold ``path`` as ``version``. If that fails, the engine goes on naming the weights it held
+        before: its tokens are labelled with ``weight_version``, which must never name weights the server lacks."""
+        held = self._checkpoint, self.weight_version
         self._checkpoint, self.weight_version = path, version
-        if self.launch and self._process is None:
-            self._start_server()
-            return
         try:
-            self._push_weights()
-        except ServerError as e:
-            # Down: a launched server is replaced; an attached one must come back (its supervisor restarts it).
-            if self.launch:
+            if self.launch and self._process is None:
                 self._start_server()
-            else:
-                self._wait_healthy(f"after a failed weight update ({e.reason})")
+                return
+            try:
                 self._push_weights()
+            except ServerError as e:
+                # Down: a launched server is replaced; an attached one must come back (its supervisor restarts it).
+                if self.launch:
+                    self._start_server()
+                else:
+                    self._wait_healthy(f"after a failed weight update ({e.reason})")
+                    self._push_weights()
+        except BaseException:
+            self._checkpoint, self.weight_version = held
+            raise
 
     def _push_weights(self) -> None:
         try:
