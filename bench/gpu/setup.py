@@ -74,7 +74,8 @@ def megatron_fallbacks():
     swapped = {name: ours for name, ours in (("l2_norm_impl", multi_tensor.l2_norm),
                                              ("multi_tensor_scale_impl", multi_tensor.scale))
                if getattr(clip_grads, name) is ours}
-    local = {"l2_norm_impl": utils.local_multi_tensor_l2_norm, "multi_tensor_scale_impl": utils.local_multi_tensor_scale}
+    local = {"l2_norm_impl": utils.local_multi_tensor_l2_norm,
+             "multi_tensor_scale_impl": utils.local_multi_tensor_scale}
     for name in swapped:
         setattr(clip_grads, name, local[name])
     try:

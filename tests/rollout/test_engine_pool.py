@@ -28,9 +28,12 @@ def setup(tmp_path):
 
     tokenizer = CopyTask().tokenizer
 
-    def make_pool(max_inflight: int, max_restarts: int, **kwargs) -> EnginePool:
-        return EnginePool(lambda i, inc: build_engine(cfg, shape, tokenizer, i, inc), 2, max_inflight, max_restarts,
-                          **kwargs)
+    def make_pool(max_inflight: int, max_restarts: int, faulty=(), **kwargs) -> EnginePool:
+        """``faulty``: the slots whose engines are ``Faulty`` actors."""
+        def start(i, incarnation):
+            return Faulty.remote() if i in faulty else build_engine(cfg, shape, tokenizer, i, incarnation)
+
+        return EnginePool(start, 2, max_inflight, max_restarts, **kwargs)
 
     return make_pool, shape, tokenizer
 
@@ -146,5 +149,47 @@ def test_responses_from_other_weights_are_refused(ray_local, setup):
         ray.get(pool.engines[1].update_weights.remote(weights, 6))  # an engine that missed the last update
         with pytest.raises(StaleWeightsError, match="engine 1 answered with weights v6, expected v7"):
             pool.generate(REQUESTS, PARAMS)
+    finally:
+        pool.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Faulty:
+    """An engine whose generate and shutdown fail: the pool's error paths, on a real actor."""
+
+    def health(self):
+        return {"pid": os.getpid(), "weight_version": None}
+
+    def update_weights(self, weights, version):
+        return None
+
+    def generate(self, prompts, params):
+        raise RuntimeError("this engine's generate fails")
+
+    def shutdown(self):
+        raise RuntimeError("this engine cannot release what it started")
+
+
+def test_shutdown_ends_every_engine_even_when_a_release_fails(ray_local, setup):
+    make_pool, _, _ = setup
+    pool = make_pool(max_inflight=0, max_restarts=0, faulty={0})
+    engines = list(pool.engines)
+    ray.get([e.health.remote() for e in engines], timeout=120)
+    pool.shutdown()  # engine 0's release raises; engine 1 must be ended all the same
+    for engine in engines:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(engine.health.remote(), timeout=60)
+
+
+def test_a_failed_generate_leaves_no_call_counted_as_busy(ray_local, setup):
+    make_pool, shape, _ = setup
+    pool = make_pool(max_inflight=1, max_restarts=0, faulty={0})
+    try:
+        pool.update_weights(random_hf_state(shape), 5)
+        with pytest.raises(ray.exceptions.RayTaskError, match="generate fails"):
+            pool.generate(REQUESTS, PARAMS)  # engine 0's chunk fails while engine 1's still counts as running
+        busy = pool.busy_seconds()
+        ray.get(pool.engines[1].health.remote(), timeout=60)  # some time passes
+        assert pool.busy_seconds() == busy
     finally:
         pool.shutdown()

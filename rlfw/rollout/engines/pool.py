@@ -159,7 +159,14 @@ class EnginePool:
                 answers.append(ray.get(call, timeout=timeout_s))
             except (RayActorError, GetTimeoutError) as e:
                 if self._restart(index, e, engines[index]):
-                    answers.append(ray.get(self.engines[index].health.remote(), timeout=timeout_s))
+                    with self._lock:
+                        replacement = self.engines[index]
+                    try:
+                        if replacement is not None:  # (retired by the other thread meanwhile)
+                            answers.append(ray.get(replacement.health.remote(), timeout=timeout_s))
+                    except (RayActorError, GetTimeoutError) as again:  # the next call that reaches it replaces it
+                        log.warning("rollout engine %d's replacement did not answer its health check: %s", index,
+                                    str(again).splitlines()[0])
         return answers
 
     def generate(
@@ -179,47 +186,53 @@ class EnginePool:
         inflight: dict[ray.ObjectRef, tuple[int, Any, list[int], float]] = {}
         with self._lock:
             idle = deque(self._serving())
-        while pending or inflight:
-            while idle and pending:
-                index = idle.popleft()
-                with self._lock:
-                    engine = self.engines[index]
-                if engine is None:  # retired by the weights thread meanwhile
+        try:
+            while pending or inflight:
+                while idle and pending:
+                    index = idle.popleft()
+                    with self._lock:
+                        engine = self.engines[index]
+                    if engine is None:  # retired by the weights thread meanwhile
+                        continue
+                    with self._busy_lock:
+                        self._busy_since[index] = time.monotonic()
+                    chunk = [pending.popleft() for _ in range(min(chunk_size, len(pending)))]
+                    call = engine.generate.remote([requests[i] for i in chunk], chunk_params(params, chunk))
+                    inflight[call] = (index, engine, chunk, time.monotonic() + self.call_timeout_s)
+                if not inflight:  # requests left and no engine to serve them: the others were retired meanwhile
+                    raise EngineRestartsExhausted(
+                        f"no rollout engine is left to serve {len(pending)} requests: the "
+                        f"rollout.max_engine_restarts={self.max_restarts} restarts are used up")
+                first_deadline = min(deadline for *_, deadline in inflight.values())
+                ready, _ = ray.wait(list(inflight), num_returns=1,
+                                    timeout=max(0.0, first_deadline - time.monotonic()))
+                if not ready:  # the oldest call is past its deadline: its engine hangs
+                    done = min(inflight, key=lambda ref: inflight[ref][3])
+                    index, engine, chunk, _ = inflight.pop(done)
+                    self._call_ended(index)
+                    pending.extendleft(reversed(chunk))
+                    hung = GetTimeoutError(
+                        f"engine {index} did not answer a generate call within {self.call_timeout_s} s")
+                    if self._restart(index, hung, engine):
+                        idle.append(index)
                     continue
-                with self._busy_lock:
-                    self._busy_since[index] = time.monotonic()
-                chunk = [pending.popleft() for _ in range(min(chunk_size, len(pending)))]
-                call = engine.generate.remote([requests[i] for i in chunk], chunk_params(params, chunk))
-                inflight[call] = (index, engine, chunk, time.monotonic() + self.call_timeout_s)
-            if not inflight:  # requests left and no engine to serve them: the others were retired meanwhile
-                raise EngineRestartsExhausted(
-                    f"no rollout engine is left to serve {len(pending)} requests: the rollout.max_engine_restarts="
-                    f"{self.max_restarts} restarts are used up")
-            first_deadline = min(deadline for *_, deadline in inflight.values())
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=max(0.0, first_deadline - time.monotonic()))
-            if not ready:  # the oldest call is past its deadline: its engine hangs
-                done = min(inflight, key=lambda ref: inflight[ref][3])
+                [done] = ready
                 index, engine, chunk, _ = inflight.pop(done)
                 self._call_ended(index)
-                pending.extendleft(reversed(chunk))
-                hung = GetTimeoutError(f"engine {index} did not answer a generate call within {self.call_timeout_s} s")
-                if self._restart(index, hung, engine):
-                    idle.append(index)
-                continue
-            [done] = ready
-            index, engine, chunk, _ = inflight.pop(done)
-            self._call_ended(index)
-            try:
-                generations = ray.get(done)
-            except RayActorError as e:
-                pending.extendleft(reversed(chunk))  # first in line again, on whichever engine is free next
-                if self._restart(index, e, engine):
-                    idle.append(index)
-                continue
-            idle.append(index)
-            for i, generation in zip(chunk, generations):
-                self._check_version(index, generation, min_version)
-                results[i] = generation
+                try:
+                    generations = ray.get(done)
+                except RayActorError as e:
+                    pending.extendleft(reversed(chunk))  # first in line again, on whichever engine is free next
+                    if self._restart(index, e, engine):
+                        idle.append(index)
+                    continue
+                idle.append(index)
+                for i, generation in zip(chunk, generations):
+                    self._check_version(index, generation, min_version)
+                    results[i] = generation
+        finally:
+            for index, *_ in inflight.values():  # calls an error left behind: no longer counted as busy
+                self._call_ended(index)
         return results  # type: ignore[return-value]  (every slot is filled once the queue is empty)
 
     def _call_ended(self, index: int) -> None:
@@ -227,18 +240,22 @@ class EnginePool:
             self._busy_total += time.monotonic() - self._busy_since.pop(index)
 
     def shutdown(self) -> None:
-        """Let every live engine release what it started, then end the actors. A generate call still under way in
-        another thread (a rollout asked for ahead, in loop=async) fails instead of replacing them."""
+        """Let every live engine release what it started, within one ``call_timeout_s`` for all, then end every
+        actor, whatever its release did. A generate call still under way in another thread (a rollout asked for
+        ahead, in loop=async) fails instead of replacing them."""
         with self._loaded_changed:
             self._closing = True
             self._loaded_changed.notify_all()  # a generate call waiting for a push gives up
             engines = [self.engines[index] for index in self._serving()]
         calls = [engine.shutdown.remote() for engine in engines]
+        deadline = time.monotonic() + self.call_timeout_s
         for engine, call in zip(engines, calls):
             try:
-                ray.get(call, timeout=self.call_timeout_s)
+                ray.get(call, timeout=max(0.0, deadline - time.monotonic()))
             except (RayActorError, GetTimeoutError):
                 pass  # dead or hung: the kill below ends it
+            except RayTaskError as e:  # its release failed: said, and the kill below ends it all the same
+                log.warning("a rollout engine's shutdown failed: %s", str(e).splitlines()[0])
             ray.kill(engine)
 
     def _check_version(self, index: int, generation: Generation, min_version: int) -> None:
@@ -262,28 +279,35 @@ class EnginePool:
             return self._replace(index, cause)
 
     def _replace(self, index: int, cause: Exception) -> bool:
+        """Start engines for slot ``index`` until one answers and holds the pool's weights, within one
+        ``start_timeout_s + call_timeout_s`` for all the tries (a replacement that cannot be placed, its node gone
+        and no room left, must not hold the pool's lock for the whole restart budget); else retire the slot."""
+        deadline = time.monotonic() + self.start_timeout_s + self.call_timeout_s
         while True:
             ray.kill(self.engines[index])  # a hung engine must not come back as a twin
-            if self.restarts >= self.max_restarts:
+            left = deadline - time.monotonic()
+            if self.restarts >= self.max_restarts or left <= 0:
+                why = (f"the rollout.max_engine_restarts={self.max_restarts} restarts are used up"
+                       if self.restarts >= self.max_restarts else
+                       f"no replacement came up within {self.start_timeout_s + self.call_timeout_s:g} s")
                 self.engines[index] = None
                 self.retired.append(index)
                 if not self.num_alive():
                     first_line = str(cause).splitlines()[0] if str(cause) else ""
                     raise EngineRestartsExhausted(
                         f"the last serving rollout engine ({index}) failed ({type(cause).__name__}: {first_line}) and "
-                        f"the rollout.max_engine_restarts={self.max_restarts} restarts are used up"
-                    ) from cause
-                log.warning("rollout engine %d failed (%s) past rollout.max_engine_restarts=%d: retired, %d engines "
-                            "serve on", index, type(cause).__name__, self.max_restarts, self.num_alive())
+                        f"{why}") from cause
+                log.warning("rollout engine %d failed (%s) and %s: retired, %d engines serve on", index,
+                            type(cause).__name__, why, self.num_alive())
                 return False
             self.restarts += 1
             self.incarnations[index] += 1
-            self.engines[index] = self._start_engine(index, self.incarnations[index])
-            if self._weights is None:
-                return True
+            self.engines[index] = engine = self._start_engine(index, self.incarnations[index])
             try:
-                ray.get(self.engines[index].update_weights.remote(*self._weights),
-                        timeout=self.start_timeout_s + self.call_timeout_s)
+                ray.get(engine.health.remote(), timeout=min(self.start_timeout_s, left))  # placed and started
+                if self._weights is not None:
+                    ray.get(engine.update_weights.remote(*self._weights),
+                            timeout=max(0.0, min(self.call_timeout_s, deadline - time.monotonic())))
                 return True
             except (RayActorError, GetTimeoutError) as e:
                 cause = e
