@@ -77,8 +77,8 @@ def commit(staging: Path, final: Path, meta: dict[str, Any]) -> Path:
     (staging / COMPLETE).write_text("ok\n")
     _fsync(staging / COMPLETE)
     _fsync(staging)
-    if final.exists():  # the same step saved again (an emergency save): swap, never a moment with neither
-        old = final.with_name(final.name + ".old")
+    if final.exists():  # the same step saved again (an emergency save): swap. A crash between the two renames
+        old = _swapped_out(final)  # leaves the earlier save as step_<n>.old, which find_latest puts back.
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(staging, final)
@@ -127,8 +127,26 @@ def list_steps(root: Path):
     return sorted(found, reverse=True)
 
 
+def _swapped_out(final: Path) -> Path:
+    return final.with_name(final.name + ".old")
+
+
+def _finish_interrupted_swaps(root: Path) -> None:
+    """A crash inside ``commit``'s swap leaves ``step_<n>.old``: without ``step_<n>`` it is the only copy of that
+    step, put back; beside a ``step_<n>`` the swap got through and it is removed."""
+    for old in Path(root).glob("step_*.old"):
+        final = old.with_name(old.name[:-len(".old")])
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            log.warning("%s: a save of the same step was interrupted mid-swap; the earlier save is put back", final)
+            os.replace(old, final)
+
+
 def find_latest(root: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint under ``root`` that verifies; older ones are tried in turn, each skip logged."""
+    """The newest checkpoint under ``root`` that verifies (after finishing a swap a crash interrupted); older ones
+    are tried in turn, each skip logged."""
+    _finish_interrupted_swaps(root)
     for _, path in list_steps(root):
         try:
             return path, verify(path)

@@ -11,6 +11,7 @@ job's last logged step: the job that died could not log its death, so that MTTR 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -24,8 +25,14 @@ def run_started(run_dir: Path, resuming: bool, now: float) -> float:
     """The wall time the run's first job started: written by a fresh run, read back by a resumed one."""
     path = Path(run_dir) / RUN_STARTED
     if resuming and path.exists():
-        return float(json.loads(path.read_text())["started"])
-    path.write_text(json.dumps({"started": now}))
+        try:
+            return float(json.loads(path.read_text())["started"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} is unreadable ({type(e).__name__}: {e}): the run's start time is lost; "
+                             f"remove the file to count the run from this job's start") from None
+    partial = path.with_name(path.name + ".partial")  # whole or not at all: a resumed job reads it
+    partial.write_text(json.dumps({"started": now}))
+    os.replace(partial, path)
     return now
 
 

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import shutil
 
 import pytest
 
@@ -89,6 +90,24 @@ def test_commit_replaces_a_checkpoint_of_the_same_step(tmp_path):
     assert (path / "shards" / "0.distcp").read_bytes().startswith(b"new")
     verify(path)
     assert [p.name for p in tmp_path.iterdir()] == ["step_3"]
+
+
+def test_a_swap_interrupted_by_a_crash_keeps_the_earlier_save(tmp_path):
+    """An emergency save of a step already saved swaps the two; a crash between the renames must not lose the
+    step (the earlier save is put back), nor leave its leftovers after a swap that got through."""
+    _save(tmp_path, 4, payload=b"first")
+    staging = staging_dir(tmp_path, 4)
+    (staging / "shards").mkdir(parents=True)
+    (staging / "shards" / "0.distcp").write_bytes(b"second")
+    final = step_dir(tmp_path, 4)
+    final.rename(final.with_name(final.name + ".old"))  # the first rename of the swap, then the crash
+    path, meta = find_latest(tmp_path)
+    assert path == final and meta["step"] == 4
+    assert (final / "shards" / "0.distcp").read_bytes() == b"first" * 100
+    shutil.rmtree(staging)  # (the crashed save's staging: a new save starts it afresh)
+    _save(tmp_path, 4, payload=b"third")  # a swap that got through, its .old left behind by a crash
+    (tmp_path / "step_4.old").mkdir()
+    assert find_latest(tmp_path)[0] == final and not (tmp_path / "step_4.old").exists()
 
 
 def test_prune_keeps_the_newest(tmp_path):

@@ -47,3 +47,12 @@ def test_a_resumed_run_counts_the_earlier_jobs_and_dates_the_restart_by_their_la
     assert figures["ft/goodput"] == 16 / 20 and figures["ft/ettr"] == 4 / 20
     assert figures["ft/mttr_last_s"] == pytest.approx(70.0 - 62.0 - 2.0)
     assert "ft/mttr_last_s" not in GoodputMeter.for_run(tmp_path, 50.0, resuming=False).committed(0, 1.0, 1, 51.0)
+
+
+def test_a_torn_start_file_is_an_error_naming_it(tmp_path):
+    (tmp_path / RUN_STARTED).write_text('{"star')  # what a full disk leaves of a plain write
+    with pytest.raises(ValueError, match=RUN_STARTED):
+        run_started(tmp_path, resuming=True, now=90.0)
+    (tmp_path / RUN_STARTED).unlink()
+    run_started(tmp_path, resuming=False, now=50.0)
+    assert not list(tmp_path.glob("*.partial"))  # written aside, then renamed into place
