@@ -4,6 +4,7 @@ import json
 import logging
 import math
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -178,8 +179,34 @@ def test_math_reward_in_ray_actors(tmp_path, chat_dir, ray_local):
     assert [task.reward(p, encode(task, r)) for p, r in zip(task.sample_prompts(4, step_rng(0)), responses)] == want
     # A plain actor runs its methods in the worker's main thread, where math-verify's signal timeouts work.
     assert remote_rewards(RemoteTask.remote(**kwargs), task, responses) == want
-    # A threaded actor does not: the timeouts are switched off instead of every sample failing.
+    # A threaded actor (the RolloutManager is one) scores in a worker process, with the same results.
     assert remote_rewards(RemoteTask.options(max_concurrency=2).remote(**kwargs), task, responses) == want
+
+
+@pytest.mark.parametrize("grace_s", [5.0, -2.5])  # math-verify's timeout in the worker; the worker killed first
+def test_a_response_that_would_keep_sympy_busy_forever_scores_zero_off_the_main_thread(grace_s, monkeypatch, caplog):
+    """``2^(2^(2^(2^5)))`` keeps SymPy busy for good. Off the main thread, where math-verify's signal timeouts
+    cannot start, the score is computed in a worker process: its timeouts hold there, and a worker that outlives
+    them is killed at the deadline (forced here by a negative grace); either way the response scores 0.0 and the
+    next score works."""
+    from rlfw.rollout.rewards import math_answer
+
+    def in_a_thread(response, answer):
+        out = []
+        thread = threading.Thread(target=lambda: out.append(math_reward("", response, answer, timeout_s=1)),
+                                  daemon=True)
+        thread.start()
+        thread.join(timeout=300)
+        assert not thread.is_alive(), "scoring waited past its deadline"
+        return out[0]
+
+    assert in_a_thread(r"\boxed{1}", "1") == 1.0  # a started worker: its start-up is not part of the deadline
+    monkeypatch.setattr(math_answer, "WORKER_GRACE_S", grace_s)
+    with caplog.at_level(logging.WARNING, logger=math_answer.__name__):
+        assert in_a_thread(r"\boxed{2^{2^{2^{2^{5}}}}}", "1") == 0.0
+    assert ("its worker was killed" in caplog.text) == (grace_s < 0)
+    monkeypatch.setattr(math_answer, "WORKER_GRACE_S", 5.0)
+    assert in_a_thread(r"\boxed{\frac{1}{2}}", "0.5") == 1.0
 
 
 def test_reward_error_surfaces_from_a_ray_actor(tmp_path, chat_dir, ray_local):

@@ -1,32 +1,64 @@
 """Math reward: the response's final answer must be mathematically equal to the reference answer (math-verify).
 
 math-verify extracts the final answer (``\\boxed{...}``, "the answer is ...", else the last number or expression)
-and compares with SymPy, so ``\\frac{1}{2}``, ``1/2`` and ``0.5`` agree. Its timeouts use ``signal.alarm``, which
-works only in a process's main thread; elsewhere math-verify raises ``ValueError`` on every call. rlfw's
-RolloutManager is a plain (single-threaded) Ray actor whose methods run in the worker's main thread, so there the
-timeouts hold. In any other thread (a threaded or async actor, a thread pool) the timeouts are switched off, with
-one warning, instead of failing every sample: the response is bounded by the task's ``max_response_len``.
+and compares with SymPy, so ``\\frac{1}{2}``, ``1/2`` and ``0.5`` agree. A response can make SymPy run for ever
+(``\\boxed{2^{2^{2^{2^{5}}}}}``), so every score has a deadline. math-verify's own timeouts use ``signal.alarm``,
+which works only in a process's main thread, and only between Python bytecodes. The RolloutManager scores in a
+thread of its actor (its concurrency groups), so off the main thread the score is computed in a worker process, in
+that process' main thread where math-verify's timeouts hold, and a worker that outlives them (a computation inside C
+code) is killed and replaced: that response scores 0.0.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import threading
 
 from math_verify import parse, verify
 
 log = logging.getLogger(__name__)
-_warned_no_timeout = False
+
+WORKER_START_S = 120.0  # a new worker's start-up: spawning Python and importing SymPy
+WORKER_GRACE_S = 5.0  # past math-verify's own timeouts (two parses and the comparison), before a worker is killed
 
 
-def _timeout_in_this_thread(timeout_s: int) -> int | None:
-    global _warned_no_timeout
-    if threading.current_thread() is threading.main_thread():
-        return timeout_s
-    if not _warned_no_timeout:
-        log.warning("math_reward runs outside the main thread: math-verify's signal-based timeouts are off")
-        _warned_no_timeout = True
-    return None
+def _score(response_text: str, answer: str, timeout_s: int) -> float:
+    gold = parse(answer, parsing_timeout=timeout_s)
+    if not gold:
+        raise ValueError(f"the reference answer {answer!r} holds no math that math-verify can parse")
+    predicted = parse(response_text, parsing_timeout=timeout_s)
+    return float(verify(gold, predicted, timeout_seconds=timeout_s))
+
+
+def _ready() -> bool:
+    return True  # unpickling this function in the worker imports this module, math-verify and SymPy
+
+
+class _Worker:
+    """One spawned process that scores in its main thread; replaced when a score outlives its deadline."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool = None
+
+    def score(self, response_text: str, answer: str, timeout_s: int) -> float:
+        with self._lock:
+            if self._pool is None:
+                self._pool = multiprocessing.get_context("spawn").Pool(1)
+                self._pool.apply_async(_ready).get(timeout=WORKER_START_S)
+            call = self._pool.apply_async(_score, (response_text, answer, timeout_s))
+            try:
+                return call.get(timeout=3 * timeout_s + WORKER_GRACE_S)
+            except multiprocessing.TimeoutError:
+                self._pool.terminate()
+                self._pool = None
+                log.warning("math_reward: scoring a response of %d characters outlived math-verify's %d s timeouts; "
+                            "its worker was killed and the response scores 0.0", len(response_text), timeout_s)
+                return 0.0
+
+
+_WORKER = _Worker()
 
 
 def math_reward(prompt_text: str, response_text: str, answer: str, *, timeout_s: int = 5) -> float:
@@ -36,9 +68,6 @@ def math_reward(prompt_text: str, response_text: str, answer: str, *, timeout_s:
     ``timeout_s`` seconds (math-verify logs those). A reference answer without parseable math raises ValueError:
     it is a broken dataset record, not a wrong response.
     """
-    timeout = _timeout_in_this_thread(timeout_s)
-    gold = parse(answer, parsing_timeout=timeout)
-    if not gold:
-        raise ValueError(f"the reference answer {answer!r} holds no math that math-verify can parse")
-    predicted = parse(response_text, parsing_timeout=timeout)
-    return float(verify(gold, predicted, timeout_seconds=timeout))
+    if threading.current_thread() is threading.main_thread():
+        return _score(response_text, answer, timeout_s)
+    return _WORKER.score(response_text, answer, timeout_s)
