@@ -181,7 +181,8 @@ class FTConfig:
     join_timeout_s: float = 0.5  # Lighthouse: once a quorum could form, how long it waits for more members
     stall_timeout_s: float = 15.0  # the driver fails a cell whose Manager the Lighthouse has not heard this long
     # A call still running past max(min_phase_timeout_s, phase_timeout_factor x the slowest earlier call of its
-    # phase) fails the cell (slow but beating); the first call of a phase (warm-up) gets first_call_timeout_s.
+    # phase) fails the cell (slow but beating), or ends a classic world; the first call of a phase (warm-up) gets
+    # first_call_timeout_s (rlfw.train_group.deadlines).
     phase_timeout_factor: float = 5.0
     min_phase_timeout_s: float = 60.0
     first_call_timeout_s: float = 1800.0

@@ -30,6 +30,7 @@ from rlfw.ft.lighthouse import Lighthouse, heartbeat_ages
 from rlfw.ft.membership import Membership
 from rlfw.train_group.placement import node_ip, node_of
 from rlfw.train_group.replacements import ReplacementPolicy
+from rlfw.train_group.deadlines import PhaseDeadlines
 from rlfw.train_group.world import STORE_TIMEOUT_S, World, get_all
 
 log = logging.getLogger("rlfw.cells")
@@ -131,7 +132,7 @@ class CellGroup:
         self.call: Optional[int] = None  # the membership id of the train call under way
         self.stranded: set = set()  # cells left waiting in a quorum that cannot form (the job ends below min_cells)
         self.call_members: set = set()  # the cells counted in it
-        self.slowest: Dict[str, float] = {}  # phase -> the slowest successful call so far (its deadline's base)
+        self.deadlines = PhaseDeadlines(cfg.ft)
         self.cells: Dict[int, Cell] = {}
         self.quorum_id: Optional[int] = None
         self.failures = 0
@@ -158,7 +159,7 @@ class CellGroup:
             if cell.state is not CellState.ERRORED:
                 self.membership.fence(cell.id, cell.incarnation)
                 cell.fail("restored from the last checkpoint: no live cell held the trained state")
-        self.slowest.clear()  # the restored cells' first calls warm up again
+        self.deadlines.reset()  # the restored cells' first calls warm up again
         self._start_cells(load_from, {cell_id: cell.incarnation + 1 for cell_id, cell in self.cells.items()})
 
     def _start_up(self, cell: "Cell", deadline: float, past: CellState) -> None:
@@ -286,14 +287,6 @@ class CellGroup:
         return [c.id for c in self._require_cells()]
 
     # ---------------------------------------------------------------------------------------------- calls
-    def _deadline(self, phase: str) -> float:
-        """How long a call of ``phase`` may run: a multiple of the slowest earlier one (never below
-        ft.min_phase_timeout_s), or ft.first_call_timeout_s for the first (warm-up, compilation)."""
-        ft = self.cfg.ft
-        if phase not in self.slowest:
-            return ft.first_call_timeout_s
-        return max(ft.min_phase_timeout_s, ft.phase_timeout_factor * self.slowest[phase])
-
     def _stalled(self, cell_ids) -> Dict[int, float]:
         """{cell id: seconds since its heartbeat} for the cells the Lighthouse has not heard for ft.stall_timeout_s.
         If the Lighthouse cannot be read, nobody is declared stalled (the phase deadline still applies)."""
@@ -314,7 +307,7 @@ class CellGroup:
         call runs past ``deadline_s`` (default: the phase's measured deadline). A cell merely slower than its peers
         is waited for. An error of the job (``OSError``: the disk) stops the run: on a survivor it would recur.
         """
-        deadline_s = self._deadline(phase) if deadline_s is None else deadline_s
+        deadline_s = self.deadlines(phase) if deadline_s is None else deadline_s
         pending = {}
         for cell_id, make_refs in calls.items():
             pending[cell_id] = make_refs(self.cells[cell_id])
@@ -348,7 +341,7 @@ class CellGroup:
                     self._fail(self.cells[cell_id], failed, phase, call_elapsed_s=time.monotonic() - started)
                 elif len(done) == len(rs):
                     results[cell_id] = ray.get(rs) if every_rank else ray.get(rs[0])
-                    self.slowest[phase] = max(self.slowest.get(phase, 0.0), time.monotonic() - started)
+                    self.deadlines.record(phase, time.monotonic() - started)
                     del pending[cell_id]
             if phase == "train" and pending and not results:
                 self._rescue_below_min(calls, pending, started)
@@ -425,7 +418,7 @@ class CellGroup:
         """Every alive cell runs the step protocol on the same minibatches; returns the survivors' stats."""
         cells = self._require_cells()
         self.call, self.call_members = self.membership.open_call(len(cells)), {c.id for c in cells}
-        call = {"id": self.call, "replicas": len(cells), "deadline_s": self._deadline("train")}
+        call = {"id": self.call, "replicas": len(cells), "deadline_s": self.deadlines("train")}
         calls = {c.id: (lambda c: [w.train.remote(minibatches, call) for w in c.world.workers]) for c in cells}
         try:
             results = self._fan_out(calls, "train")

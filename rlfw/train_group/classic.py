@@ -6,6 +6,7 @@ The baseline rlfw's cells are measured against: one failed rank fails the whole 
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Dict, List, Optional
 
 import ray
@@ -14,6 +15,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from rlfw.ft.agreement import verify_agreement
 from rlfw.ft.errors import WorldLostError
+from rlfw.train_group.deadlines import PhaseDeadlines
 from rlfw.train_group.world import World, get_all
 
 
@@ -61,13 +63,15 @@ class ClassicSync:
 
 
 def ends_on_death(call):
-    """A dead rank ends the world's call with WorldLostError, naming the way on (``resume=auto``). The first error
-    the driver sees may be a survivor's (its collective's peer closed the connection) rather than the dead actor's:
-    then the world is probed, and the survivor's error stands only when every rank is alive."""
+    """A dead or hung rank ends the world's call with WorldLostError, naming the way on (``resume=auto``). The
+    first error the driver sees may be a survivor's (its collective's peer closed the connection) rather than the
+    dead actor's: then the world is probed, and the survivor's error stands only when every rank is alive. A call
+    past its phase's deadline (``PhaseDeadlines``: a stalled rank, or one stuck outside any collective) ends the
+    world the same way."""
 
-    def lost(name: str, cause: str) -> WorldLostError:
+    def lost(name: str, cause: str, what: str = "died") -> WorldLostError:
         return WorldLostError(
-            f"a rank of the classic world died in {name} ({cause}): classic DP cannot go on without it; run the "
+            f"a rank of the classic world {what} in {name} ({cause}): classic DP cannot go on without it; run the "
             "same command with resume=auto to continue from the last checkpoint, or use dp=cells to survive it")
 
     @functools.wraps(call)
@@ -76,6 +80,10 @@ def ends_on_death(call):
             return call(self, *args, **kwargs)
         except RayActorError as e:
             raise lost(call.__name__, str(e).splitlines()[0]) from e
+        except TimeoutError as e:
+            dead = self.world.dead_ranks()
+            cause = f"rank {', '.join(map(str, dead))} dead" if dead else str(e)
+            raise lost(call.__name__, cause, "died" if dead else "hung or stalled") from e
         except RayTaskError as e:
             dead = self.world.dead_ranks()
             if not dead:
@@ -94,6 +102,14 @@ class ClassicGroup:
         self.world = World(cfg, cfg.dp.size * cfg.dp.tp, vocab_size, cell=None, sync_factory=ClassicSync, role=role,
                            load_from=load_from)
         self.world.start()
+        self.deadlines = PhaseDeadlines(cfg.ft)
+
+    def _timed(self, phase: str, call):
+        """``call(deadline_s)``, its duration recorded for the next call of ``phase``."""
+        started = time.monotonic()
+        result = call(self.deadlines(phase))
+        self.deadlines.record(phase, time.monotonic() - started)
+        return result
 
     def replica_count(self) -> int:
         return self.num_replicas
@@ -105,14 +121,17 @@ class ClassicGroup:
     def await_replacements(self) -> None:
         """A classic world is restarted as a whole, from a checkpoint: no replacement joins it during a run."""
 
+    @ends_on_death
     def compute_logprobs(self, batch, parts: List[List[int]]) -> List[Dict[str, Any]]:
         """Replica r computes log-probs of ``parts[r]``; returns one result per replica."""
-        return self.world.call_by_replica("compute_logprobs", [(batch, p) for p in parts])
+        return self._timed("logprobs", lambda deadline_s: self.world.call_by_replica(
+            "compute_logprobs", [(batch, p) for p in parts], timeout_s=deadline_s))
 
     @ends_on_death
     def train(self, minibatches) -> Dict[int, List[Dict[str, Any]]]:
         """Per replica, the stats of each committed optimizer step."""
-        results = self.world.call_leaders("train", minibatches, {"id": 0, "replicas": self.num_replicas})
+        results = self._timed("train", lambda deadline_s: self.world.call_leaders(
+            "train", minibatches, {"id": 0, "replicas": self.num_replicas}, timeout_s=deadline_s))
         return dict(enumerate(results))
 
     @ends_on_death
@@ -120,17 +139,19 @@ class ClassicGroup:
         """Replica 0's TP ranks gather the full weights together; rank 0's copy goes to the engines (a reference:
         the driver waits for the export's success only, ``TrainerWorker.export_weights``)."""
         calls = [w.export_weights.remote() for w in self.world.leaders_group(0)]  # [weights, done] per rank
-        get_all([done for _, done in calls])
+        self._timed("weight_sync", lambda deadline_s: get_all([done for _, done in calls], deadline_s))
         return calls[0][0]
 
     @ends_on_death
     def save(self, path: str, step: int) -> None:
         """Every rank joins Megatron's distributed save; each shard is written once (by data-parallel rank 0)."""
-        get_all([w.save.remote(path, step) for w in self.world.workers])
+        self._timed("save", lambda deadline_s: get_all([w.save.remote(path, step) for w in self.world.workers],
+                                                      deadline_s))
 
     @ends_on_death
     def weights_digests(self) -> List[str]:
-        return self.world.call_leaders("weights_digest")
+        return self._timed("verify", lambda deadline_s: self.world.call_leaders("weights_digest",
+                                                                                timeout_s=deadline_s))
 
     def step_info(self) -> Dict[str, float]:
         return {}

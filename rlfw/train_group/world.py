@@ -106,14 +106,16 @@ class World:
         """The TP ranks of replica ``replica``."""
         return self.workers[replica * self.tp:(replica + 1) * self.tp]
 
-    def call_leaders(self, method: str, *args) -> List[Any]:
-        """Call ``method`` on every rank (TP ranks compute together); return the replica leaders' results."""
+    def call_leaders(self, method: str, *args, timeout_s: Optional[float] = None) -> List[Any]:
+        """Call ``method`` on every rank (TP ranks compute together); return the replica leaders' results
+        (``TimeoutError`` past ``timeout_s``)."""
         refs = [getattr(w, method).remote(*args) for w in self.workers]
-        return get_all(refs)[:: self.tp]
+        return get_all(refs, timeout_s)[:: self.tp]
 
-    def call_by_replica(self, method: str, args_per_replica: Sequence[tuple]) -> List[Any]:
+    def call_by_replica(self, method: str, args_per_replica: Sequence[tuple],
+                        timeout_s: Optional[float] = None) -> List[Any]:
         refs = [getattr(w, method).remote(*args_per_replica[rank // self.tp]) for rank, w in enumerate(self.workers)]
-        return get_all(refs)[:: self.tp]
+        return get_all(refs, timeout_s)[:: self.tp]
 
     def dead_ranks(self, timeout_s: float = 30.0) -> List[int]:
         """The ranks whose actor is dead, by asking each for its cursor: a dead actor's call fails as soon as Ray

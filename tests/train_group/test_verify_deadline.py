@@ -23,7 +23,8 @@ register_configs()
 def test_a_cell_stalled_in_the_weight_check_is_failed_not_waited_for(shared_ray, tmp_path):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(config_name="config", overrides=["dp=cells", "dp.num_cells=2", f"run_dir={tmp_path}",
-                                                       "ft.min_phase_timeout_s=3", "ft.replace_failed=false"])
+                                                       "ft.stall_timeout_s=2", "ft.min_phase_timeout_s=3",
+                                                       "ft.replace_failed=false"])
     group = build_group(cfg, padded_vocab_size(len(CopyTask().tokenizer), cfg.dp.tp))
     try:
         first = group.weights_digests()
