@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -145,7 +146,10 @@ class SweepCallback(Callback):
             "error": describe_failure(failure) if failure is not None else None,
         }
         (output_dir / ".hydra").mkdir(parents=True, exist_ok=True)
-        (output_dir / ".hydra" / OUTCOME_FILE).write_text(json.dumps(outcome, indent=2) + "\n", encoding="utf-8")
+        path = output_dir / ".hydra" / OUTCOME_FILE
+        partial = path.with_name(path.name + ".partial")  # whole or not at all: the sweep's summary reads it
+        partial.write_text(json.dumps(outcome, indent=2) + "\n", encoding="utf-8")
+        os.replace(partial, path)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -168,7 +172,11 @@ class SweepCallback(Callback):
         """This sweep's job outcomes, by job number (outcomes left by an earlier sweep into the same dir are not)."""
         jobs = []
         for path in sweep_dir.glob(f"**/.hydra/{OUTCOME_FILE}"):
-            outcome = json.loads(path.read_text(encoding="utf-8"))
+            try:
+                outcome = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:  # not one this sweep wrote (those are renamed into place whole)
+                log.warning("skipping the unreadable job outcome %s: %s", path, e)
+                continue
             if outcome.get("started", 0.0) >= self._sweep_started:
                 jobs.append(outcome)
         return sorted(jobs, key=lambda job: job["num"])
