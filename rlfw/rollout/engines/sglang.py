@@ -47,7 +47,7 @@ from typing import Any
 import ray
 import torch
 from omegaconf import OmegaConf
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -269,7 +269,7 @@ class SGLangEngine(Engine):
         """Stop the launched server (its whole process group) and its actor."""
         if self._process is not None:
             try:
-                ray.get(self._process.stop.remote())
+                ray.get(self._process.stop.remote(), timeout=self.cfg.control_timeout_s + 30)
             except RayActorError:
                 pass  # the actor died, and Ray ended its server with it
             ray.kill(self._process)
@@ -311,7 +311,7 @@ class SGLangEngine(Engine):
         """None when the server can take the batch again (given the current weights if it lost them); else why
         not."""
         if self._process is not None:
-            exit_code = ray.get(self._process.returncode.remote())
+            exit_code = ray.get(self._process.returncode.remote(), timeout=self.cfg.control_timeout_s)
             if exit_code is not None:
                 return f"{self.name} at {self.server.url} exited with code {exit_code}; {self._log_tail()}"
         for client in [self.server] + ([self.router] if self.router else []):
@@ -359,7 +359,12 @@ class SGLangEngine(Engine):
             self.seed,
             list(self.cfg.extra_args),
         )
-        self.server_pid = ray.get(self._process.start.remote(argv))
+        placing_s = self.cfg.startup_timeout_s + 60  # its actor waits for this node to have the GPUs it asks for
+        try:
+            self.server_pid = ray.get(self._process.start.remote(argv), timeout=placing_s)
+        except GetTimeoutError:
+            raise RuntimeError(f"{self.name}: the actor of its server process (num_gpus={self.cfg.gpus_per_engine} on "
+                               f"this node) did not start within {placing_s:g} s: are the node's GPUs taken?") from None
         try:
             self._wait_healthy("to start")
         except RuntimeError:
@@ -371,7 +376,7 @@ class SGLangEngine(Engine):
         error = "not checked yet"
         while time.monotonic() < deadline:
             if self._process is not None:
-                exit_code = ray.get(self._process.returncode.remote())
+                exit_code = ray.get(self._process.returncode.remote(), timeout=self.cfg.control_timeout_s)
                 if exit_code is not None:
                     raise RuntimeError(
                         f"{self.name} at {self.server.url} exited with code {exit_code} while waiting {why}; "
@@ -389,7 +394,8 @@ class SGLangEngine(Engine):
         )
 
     def _log_tail(self) -> str:
-        return f"last lines of {self.log_path}:\n{ray.get(self._process.log_tail.remote())}"
+        tail = ray.get(self._process.log_tail.remote(), timeout=self.cfg.control_timeout_s)
+        return f"last lines of {self.log_path}:\n{tail}"
 
 
 class _Sample(PartialResponse):

@@ -93,7 +93,10 @@ class ServerProcess:
             pass
         # Children can outlive the leader (or ignore SIGTERM): the group goes in any case.
         signal_group(group, signal.SIGKILL)
-        self._process.wait()
+        try:
+            self._process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (uninterruptible I/O, a wedged driver)
+            raise RuntimeError(f"{self.name}: server process {group} did not end {grace_s:g} s after SIGKILL") from None
         self._process = None
 
 
