@@ -11,6 +11,7 @@ code) is killed and replaced: that response scores 0.0.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import threading
@@ -46,11 +47,13 @@ class _Worker:
         with self._lock:
             if self._pool is None:
                 self._pool = multiprocessing.get_context("spawn").Pool(1)
+                atexit.register(self._pool.terminate)  # ended before the interpreter tears down what it needs
                 self._pool.apply_async(_ready).get(timeout=WORKER_START_S)
             call = self._pool.apply_async(_score, (response_text, answer, timeout_s))
             try:
                 return call.get(timeout=3 * timeout_s + WORKER_GRACE_S)
             except multiprocessing.TimeoutError:
+                atexit.unregister(self._pool.terminate)
                 self._pool.terminate()
                 self._pool = None
                 log.warning("math_reward: scoring a response of %d characters outlived math-verify's %d s timeouts; "
