@@ -498,6 +498,9 @@ class CellGroup:
         cells = self._require_cells(current_only=True)
         per_rank = self._fan_out({c.id: lambda c: [w.weights_digest.remote() for w in c.world.workers]
                                   for c in cells}, "verify", every_rank=True)
+        if not per_rank:
+            raise RuntimeError("no cell answered the weight check: every cell failed in it (see the cell_failed "
+                               "events)")
         return {cell_id: hashlib.sha256("".join(ranks).encode()).hexdigest() for cell_id, ranks in per_rank.items()}
 
     def step_info(self) -> Dict[str, float]:

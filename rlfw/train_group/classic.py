@@ -80,16 +80,16 @@ def ends_on_death(call):
             return call(self, *args, **kwargs)
         except RayActorError as e:
             raise lost(call.__name__, str(e).splitlines()[0]) from e
-        except TimeoutError as e:
-            dead = self.world.dead_ranks()
-            cause = f"rank {', '.join(map(str, dead))} dead" if dead else str(e)
-            raise lost(call.__name__, cause, "died" if dead else "hung or stalled") from e
-        except RayTaskError as e:
+        except RayTaskError as e:  # (before TimeoutError: a worker's own TimeoutError arrives as both)
             dead = self.world.dead_ranks()
             if not dead:
                 raise
             raise lost(call.__name__, f"rank {', '.join(map(str, dead))} dead; a survivor saw "
                                       f"{type(e.cause).__name__}: {str(e.cause).splitlines()[0][:200]}") from e
+        except TimeoutError as e:  # the call's deadline passed at the driver
+            dead = self.world.dead_ranks()
+            cause = f"rank {', '.join(map(str, dead))} dead" if dead else str(e)
+            raise lost(call.__name__, cause, "died" if dead else "hung or stalled") from e
 
     return wrapped
 
@@ -105,9 +105,11 @@ class ClassicGroup:
         self.deadlines = PhaseDeadlines(cfg.ft)
 
     def _timed(self, phase: str, call):
-        """``call(deadline_s)``, its duration recorded for the next call of ``phase``."""
+        """``call(deadline_s)``, its duration recorded for the next call of ``phase``. A classic deadline ends the
+        whole world, so it is never shorter than ``ft.first_call_timeout_s``: a call whose work grows (a larger
+        batch, a slower disk) is waited for, and only a rank that hangs is not."""
         started = time.monotonic()
-        result = call(self.deadlines(phase))
+        result = call(max(self.deadlines(phase), self.cfg.ft.first_call_timeout_s))
         self.deadlines.record(phase, time.monotonic() - started)
         return result
 

@@ -67,10 +67,11 @@ def test_a_stalled_rank_ends_the_classic_world_at_the_phase_deadline(shared_ray,
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(config_name="config", overrides=["dp=classic", "dp.size=2", f"run_dir={tmp_path}",
-                                                       "ft.stall_timeout_s=2", "ft.min_phase_timeout_s=3"])
+                                                       "ft.stall_timeout_s=2", "ft.min_phase_timeout_s=3",
+                                                       "ft.first_call_timeout_s=5"])
     group = build_group(cfg, padded_vocab_size(len(CopyTask().tokenizer), cfg.dp.tp))
     try:
-        assert len(set(group.weights_digests())) == 1  # the phase's first call: its duration sets the deadline
+        assert len(set(group.weights_digests())) == 1
         stalled = ray.get(group.world.workers[1].pid.remote(), timeout=60)
         os.kill(stalled, signal.SIGSTOP)
         try:

@@ -307,7 +307,7 @@ class EnginePool:
                 ray.get(engine.health.remote(), timeout=min(self.start_timeout_s, left))  # placed and started
                 if self._weights is not None:
                     ray.get(engine.update_weights.remote(*self._weights),
-                            timeout=max(0.0, min(self.call_timeout_s, deadline - time.monotonic())))
+                            timeout=max(0.0, deadline - time.monotonic()))
                 return True
             except (RayActorError, GetTimeoutError) as e:
                 cause = e

@@ -272,8 +272,12 @@ class SGLangEngine(Engine):
                 ray.get(self._process.stop.remote(), timeout=self.cfg.control_timeout_s + 30)
             except RayActorError:
                 pass  # the actor died, and Ray ended its server with it
-            ray.kill(self._process)
-            self._process = None
+            except Exception as e:  # noqa: BLE001  (never placed, hung, or its server would not die: the kill ends it)
+                print(f"{self.name}: stopping its server failed ({type(e).__name__}: {e}); killing its actor",
+                      file=sys.stderr, flush=True)
+            finally:
+                ray.kill(self._process)
+                self._process = None
 
     # --- the server ------------------------------------------------------------------------------------------
 
@@ -311,7 +315,10 @@ class SGLangEngine(Engine):
         """None when the server can take the batch again (given the current weights if it lost them); else why
         not."""
         if self._process is not None:
-            exit_code = ray.get(self._process.returncode.remote(), timeout=self.cfg.control_timeout_s)
+            try:
+                exit_code = ray.get(self._process.returncode.remote(), timeout=self.cfg.control_timeout_s)
+            except GetTimeoutError:
+                return f"{self.name}'s server-process actor did not answer within {self.cfg.control_timeout_s:g} s"
             if exit_code is not None:
                 return f"{self.name} at {self.server.url} exited with code {exit_code}; {self._log_tail()}"
         for client in [self.server] + ([self.router] if self.router else []):
@@ -363,11 +370,12 @@ class SGLangEngine(Engine):
         try:
             self.server_pid = ray.get(self._process.start.remote(argv), timeout=placing_s)
         except GetTimeoutError:
+            self.shutdown()  # the pending actor goes too: the next load starts a server afresh
             raise RuntimeError(f"{self.name}: the actor of its server process (num_gpus={self.cfg.gpus_per_engine} on "
                                f"this node) did not start within {placing_s:g} s: are the node's GPUs taken?") from None
         try:
             self._wait_healthy("to start")
-        except RuntimeError:
+        except Exception:
             self.shutdown()  # nothing half-started stays behind
             raise
 
@@ -394,7 +402,10 @@ class SGLangEngine(Engine):
         )
 
     def _log_tail(self) -> str:
-        tail = ray.get(self._process.log_tail.remote(), timeout=self.cfg.control_timeout_s)
+        try:
+            tail = ray.get(self._process.log_tail.remote(), timeout=self.cfg.control_timeout_s)
+        except (GetTimeoutError, RayActorError) as e:
+            return f"its log {self.log_path} could not be read ({type(e).__name__})"
         return f"last lines of {self.log_path}:\n{tail}"
 
 

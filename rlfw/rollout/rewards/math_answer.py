@@ -46,9 +46,14 @@ class _Worker:
     def score(self, response_text: str, answer: str, timeout_s: int) -> float:
         with self._lock:
             if self._pool is None:
-                self._pool = multiprocessing.get_context("spawn").Pool(1)
-                atexit.register(self._pool.terminate)  # ended before the interpreter tears down what it needs
-                self._pool.apply_async(_ready).get(timeout=WORKER_START_S)
+                pool = multiprocessing.get_context("spawn").Pool(1)
+                try:
+                    pool.apply_async(_ready).get(timeout=WORKER_START_S)
+                except BaseException:
+                    pool.terminate()
+                    raise
+                atexit.register(pool.terminate)  # ended before the interpreter tears down what it needs
+                self._pool = pool
             call = self._pool.apply_async(_score, (response_text, answer, timeout_s))
             try:
                 return call.get(timeout=3 * timeout_s + WORKER_GRACE_S)
