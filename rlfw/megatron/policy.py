@@ -29,6 +29,7 @@ class PolicyTrainer:
     ):
         from megatron.core import tensor_parallel
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
         self.shape, self.algo, self.device = shape, algo, device
         # The engine samples from softmax(logits / T); recomputed log-probs must use the same distribution.
         self.temperature = temperature if temperature > 0 else 1.0

@@ -58,26 +58,16 @@ def test_a_survivors_error_after_a_sigkilled_rank_is_the_worlds_loss(world):
         RankZeroCaller(world).digest_of_rank_zero()
 
 
-def test_a_stalled_rank_ends_the_classic_world_at_the_phase_deadline(shared_ray, tmp_path):
+def test_a_stalled_rank_ends_the_classic_world_at_the_phase_deadline(make_group):
     """A rank stopped (a real SIGSTOP) outside any collective would keep the driver waiting for good: past the
     phase's deadline the world is lost, named, and the way on is resume=auto."""
-    from rlfw.rollout.manager import padded_vocab_size
-    from rlfw.rollout.tasks import CopyTask
-    from rlfw.train import build_group
-
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["dp=classic", "dp.size=2", f"run_dir={tmp_path}",
-                                                       "ft.stall_timeout_s=2", "ft.min_phase_timeout_s=3",
-                                                       "ft.first_call_timeout_s=5"])
-    group = build_group(cfg, padded_vocab_size(len(CopyTask().tokenizer), cfg.dp.tp))
+    group, _ = make_group("dp=classic", "dp.size=2", "ft.stall_timeout_s=2", "ft.min_phase_timeout_s=3",
+                          "ft.first_call_timeout_s=5")
+    assert len(set(group.weights_digests())) == 1
+    stalled = ray.get(group.world.workers[1].pid.remote(), timeout=60)
+    os.kill(stalled, signal.SIGSTOP)
     try:
-        assert len(set(group.weights_digests())) == 1
-        stalled = ray.get(group.world.workers[1].pid.remote(), timeout=60)
-        os.kill(stalled, signal.SIGSTOP)
-        try:
-            with pytest.raises(WorldLostError, match=r"hung or stalled in weights_digests.*resume=auto"):
-                group.weights_digests()
-        finally:
-            os.kill(stalled, signal.SIGCONT)
+        with pytest.raises(WorldLostError, match=r"hung or stalled in weights_digests.*resume=auto"):
+            group.weights_digests()
     finally:
-        group.shutdown()
+        os.kill(stalled, signal.SIGCONT)

@@ -4,42 +4,26 @@ SIGSTOP) is failed at the phase's deadline and the check goes on with the others
 import os
 import signal
 import threading
-from pathlib import Path
 
-import pytest
 import ray
-from hydra import compose, initialize_config_dir
 
-from rlfw.config import register_configs
-from rlfw.rollout.manager import padded_vocab_size
-from rlfw.rollout.tasks import CopyTask
-from rlfw.train import build_group
 from rlfw.train_group.cells import CellState
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
-register_configs()
 
-
-def test_a_cell_stalled_in_the_weight_check_is_failed_not_waited_for(shared_ray, tmp_path):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["dp=cells", "dp.num_cells=2", f"run_dir={tmp_path}",
-                                                       "ft.stall_timeout_s=2", "ft.min_phase_timeout_s=3",
-                                                       "ft.replace_failed=false"])
-    group = build_group(cfg, padded_vocab_size(len(CopyTask().tokenizer), cfg.dp.tp))
+def test_a_cell_stalled_in_the_weight_check_is_failed_not_waited_for(make_group):
+    group, _ = make_group("dp=cells", "dp.num_cells=2", "ft.stall_timeout_s=2", "ft.min_phase_timeout_s=3",
+                          "ft.replace_failed=false")
+    first = group.weights_digests()
+    assert sorted(first) == [0, 1] and first[0] == first[1]
+    stalled = ray.get(group.cells[1].world.workers[0].pid.remote(), timeout=60)
+    os.kill(stalled, signal.SIGSTOP)
     try:
-        first = group.weights_digests()
-        assert sorted(first) == [0, 1] and first[0] == first[1]
-        stalled = ray.get(group.cells[1].world.workers[0].pid.remote(), timeout=60)
-        os.kill(stalled, signal.SIGSTOP)
-        try:
-            answer = {}
-            check = threading.Thread(target=lambda: answer.update(group.weights_digests()), daemon=True)
-            check.start()
-            check.join(timeout=120)
-            assert not check.is_alive(), "the weight check waited for the stalled cell"
-        finally:
-            os.kill(stalled, signal.SIGCONT)
-        assert answer == {0: first[0]}
-        assert group.cells[1].state is CellState.ERRORED and group.failures == 1
+        answer = {}
+        check = threading.Thread(target=lambda: answer.update(group.weights_digests()), daemon=True)
+        check.start()
+        check.join(timeout=120)
+        assert not check.is_alive(), "the weight check waited for the stalled cell"
     finally:
-        group.shutdown()
+        os.kill(stalled, signal.SIGCONT)
+    assert answer == {0: first[0]}
+    assert group.cells[1].state is CellState.ERRORED and group.failures == 1
