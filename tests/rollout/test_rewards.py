@@ -1,12 +1,18 @@
 """Rewards: math-verify and exact match on hand-written cases, user rewards by _target_, errors, and Ray actors."""
 
+import contextlib
 import json
 import logging
 import math
+import signal
+import subprocess
+import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
+import psutil
 import pytest
 import ray
 from chat_tokenizer import GSM8K_CONF, build_chat_tokenizer
@@ -207,6 +213,45 @@ def test_a_response_that_would_keep_sympy_busy_forever_scores_zero_off_the_main_
     assert ("its worker was killed" in caplog.text) == (grace_s < 0)
     monkeypatch.setattr(math_answer, "WORKER_GRACE_S", 5.0)
     assert in_a_thread(r"\boxed{\frac{1}{2}}", "0.5") == 1.0
+
+
+SCORER = """
+import sys, threading
+from rlfw.rollout.rewards import math_reward
+def score(response, timeout_s):
+    thread = threading.Thread(target=math_reward, args=("", response, "1"), kwargs={"timeout_s": timeout_s})
+    thread.start()
+    return thread
+score("1", 5).join()
+print("warm", flush=True)
+score(sys.argv[1], 600)
+"""
+
+
+def test_a_killed_scorer_leaves_no_worker_running(tmp_path):
+    """A RolloutManager SIGKILLed while its worker is busy in SymPy must not leave that worker computing for
+    minutes: the worker dies with the process, although it was started for a request thread that has ended."""
+    scorer = subprocess.Popen([sys.executable, "-c", SCORER, r"\boxed{2^{2^{2^{2^{5}}}}}"], stdout=subprocess.PIPE,
+                              text=True)
+    workers = []
+    try:
+        assert scorer.stdout.readline() == "warm\n", "the scorer did not score its first response"
+        workers = [c for c in psutil.Process(scorer.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) == 1, workers  # the pool's worker, not the resource tracker
+        idle = workers[0].cpu_times().user
+        deadline = time.monotonic() + 120
+        while workers[0].cpu_times().user < idle + 1.0:  # busy on the endless response
+            assert time.monotonic() < deadline, "the worker never started on the second response"
+            time.sleep(0.1)
+        scorer.send_signal(signal.SIGKILL)
+        scorer.wait(timeout=30)
+        _, alive = psutil.wait_procs(workers, timeout=60)
+        assert not alive, f"the worker {[p.pid for p in alive]} outlived its killed parent"
+    finally:
+        scorer.kill()
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
 
 
 def test_reward_error_surfaces_from_a_ray_actor(tmp_path, chat_dir, ray_local):

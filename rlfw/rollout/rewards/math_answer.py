@@ -6,15 +6,23 @@ and compares with SymPy, so ``\\frac{1}{2}``, ``1/2`` and ``0.5`` agree. A respo
 which works only in a process's main thread, and only between Python bytecodes. The RolloutManager scores in a
 thread of its actor (its concurrency groups), so off the main thread the score is computed in a worker process, in
 that process' main thread where math-verify's timeouts hold, and a worker that outlives them (a computation inside C
-code) is killed and replaced: that response scores 0.0.
+code) is killed and replaced: that response scores 0.0. The worker dies with its parent (``PR_SET_PDEATHSIG``), so
+a SIGKILLed actor leaves no scorer running; Linux ties that signal to the *thread* that started the worker, so
+workers are started from one thread kept for the process' life, never from the caller's (a request thread).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import multiprocessing
+import os
+import signal
+import sys
+import queue
 import threading
+from concurrent.futures import Future
 
 from math_verify import parse, verify
 
@@ -36,17 +44,51 @@ def _ready() -> bool:
     return True  # unpickling this function in the worker imports this module, math-verify and SymPy
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """The worker's initializer: SIGKILL when the thread that started it ends (the process being killed included)."""
+    if sys.platform.startswith("linux"):
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
 class _Worker:
     """One spawned process that scores in its main thread; replaced when a score outlives its deadline."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pool = None
+        self._requests: queue.SimpleQueue[Future] = queue.SimpleQueue()
+        self._starter = None
+
+    def _start_pools(self) -> None:
+        """The starter thread: a daemon that lives as long as the process, so a worker's death signal fires with the
+        process, not with whichever request thread needed a new worker. (An executor's thread would not do: it is
+        joined when the main thread finishes, while other threads may still be scoring.)"""
+        while True:
+            started = self._requests.get()
+            try:
+                started.set_result(multiprocessing.get_context("spawn").Pool(
+                    1, initializer=_die_with_parent, initargs=(os.getpid(),)))
+            except BaseException as error:  # noqa: BLE001 - handed to the request that waits for it
+                started.set_exception(error)
+
+    def _start(self):
+        if self._starter is None:
+            self._starter = threading.Thread(target=self._start_pools, name="math-reward-starter", daemon=True)
+            self._starter.start()
+        started = Future()
+        self._requests.put(started)
+        return started.result(timeout=WORKER_START_S)
 
     def score(self, response_text: str, answer: str, timeout_s: int) -> float:
         with self._lock:
             if self._pool is None:
-                pool = multiprocessing.get_context("spawn").Pool(1)
+                pool = self._start()
                 try:
                     pool.apply_async(_ready).get(timeout=WORKER_START_S)
                 except BaseException:
