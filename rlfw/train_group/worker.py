@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
 import ray
@@ -99,9 +98,8 @@ class TrainerWorker:
     def setup(self, store_address: Tuple[str, int], sync_factory) -> Optional[str]:
         """Join the world, build the trainer and the sync; returns the sync's replica id (the Lighthouse's name
         for the cell, whose heartbeat the driver watches; None in a classic world)."""
-        from megatron.core import parallel_state
-
         from rlfw.megatron.cpu_compat import apply_cpu_compat
+        from rlfw.megatron.process_groups import join_world
 
         device = self.device = resolve_device(self.cfg)
         if device.type == "cpu":
@@ -110,11 +108,8 @@ class TrainerWorker:
             torch.cuda.set_device(device)
         store = self.store or connect_store(*store_address)
         self.store = store
-        dist.init_process_group(
-            "gloo" if device.type == "cpu" else "nccl", store=store, rank=self.rank, world_size=self.world_size,
-            timeout=timedelta(seconds=self.cfg.ft.collective_timeout_s),
-        )
-        parallel_state.initialize_model_parallel(self.cfg.dp.tp, self.cfg.dp.pp)
+        join_world(store, self.rank, self.world_size, device, tp=self.cfg.dp.tp, pp=self.cfg.dp.pp,
+                   timeout_s=self.cfg.ft.collective_timeout_s)
         if self.role == "critic":
             self._setup_critic(device)
         else:
