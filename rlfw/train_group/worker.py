@@ -108,8 +108,14 @@ class TrainerWorker:
             torch.cuda.set_device(device)
         store = self.store or connect_store(*store_address)
         self.store = store
+        ft = self.cfg.ft
+        # A cell's Megatron groups carry one forward/backward's collectives: a peer late by a collective timeout is
+        # stalled. A classic world's data-parallel group also waits out its slowest rank's forward/backward, bounded
+        # like the phase that runs it.
+        groups_timeout_s = (ft.collective_timeout_s if self.cfg.dp.mode == "cells"
+                            else max(ft.collective_timeout_s, ft.first_call_timeout_s))
         join_world(store, self.rank, self.world_size, device, tp=self.cfg.dp.tp, pp=self.cfg.dp.pp,
-                   timeout_s=self.cfg.ft.collective_timeout_s)
+                   timeout_s=ft.collective_timeout_s, groups_timeout_s=groups_timeout_s)
         if self.role == "critic":
             self._setup_critic(device)
         else:

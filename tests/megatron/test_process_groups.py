@@ -1,4 +1,4 @@
-"""Megatron's model-parallel groups end a collective at the world's timeout, not at Megatron's 30-minute default."""
+"""Megatron's model-parallel groups end a collective at the timeout the world asks for, not at Megatron's 30 minutes."""
 
 import multiprocessing
 import os
@@ -20,7 +20,7 @@ def _rank(rank: int, store_port: int, out: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     apply_cpu_compat()
     join_world(connect_store("127.0.0.1", store_port), rank, 2, torch.device("cpu"), tp=2, pp=1,
-               timeout_s=TIMEOUT_S)
+               timeout_s=60, groups_timeout_s=TIMEOUT_S)
     dist.barrier()
     if rank == 1:  # a stalled peer: never joins the tensor-parallel all-reduce
         time.sleep(3600)
