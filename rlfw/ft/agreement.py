@@ -34,15 +34,16 @@ def agreement_vector(part: RolloutBatch, num_participants: int, extra: Optional[
 
 def verify_agreement(
     part: RolloutBatch, num_participants: int, allreduce: Callable[[torch.Tensor, str], torch.Tensor],
-    extra: Optional[Dict[str, int]] = None,
+    extra: Optional[Dict[str, int]] = None, device: torch.device = torch.device("cpu"),
 ) -> None:
     """Raise DisagreementError unless every participant holds the same step description.
 
     ``allreduce(tensor, op)`` reduces across the participants with op "min" or "max" and returns the result;
-    ``extra`` adds the sync's own fields (the same keys, in the same order, on every participant).
+    ``extra`` adds the sync's own fields (the same keys, in the same order, on every participant). The vectors are
+    reduced on ``device``, the transport's: an NCCL group has no CPU backend.
     """
     mine = agreement_vector(part, num_participants, extra)
-    low, high = allreduce(mine.clone(), "min"), allreduce(mine.clone(), "max")
+    low, high = (allreduce(mine.to(device, copy=True), op).cpu() for op in ("min", "max"))
     names = FIELDS + tuple(extra or ())
     bad: List[str] = [
         f"{name}: {int(lo)} vs {int(hi)}" for name, lo, hi in zip(names, low.tolist(), high.tolist()) if lo != hi

@@ -145,7 +145,8 @@ class CellSync:
             work.wait()
         try:
             verify_agreement(part, self.manager.num_participants(), self._allreduce,
-                             {"ft_step": self.manager.current_step(), "quorum_id": self.quorum_id})
+                             {"ft_step": self.manager.current_step(), "quorum_id": self.quorum_id},
+                             device=self.worker.trainer.device)
         except DisagreementError as e:
             self.manager.report_error(e)
             self.manager.should_commit()

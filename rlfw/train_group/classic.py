@@ -50,12 +50,11 @@ class ClassicSync:
         group = self.ps.get_data_parallel_group()
         ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
-        def allreduce(tensor, op):  # on the world's device: an NCCL world has no CPU backend
-            on_device = tensor.to(self.worker.device)
-            dist.all_reduce(on_device, op=ops[op], group=group)
-            return on_device.cpu()
+        def allreduce(tensor, op):
+            dist.all_reduce(tensor, op=ops[op], group=group)
+            return tensor
 
-        verify_agreement(part, self.ps.get_data_parallel_world_size(), allreduce)
+        verify_agreement(part, self.ps.get_data_parallel_world_size(), allreduce, device=self.worker.device)
         return True, {}
 
     def shutdown(self) -> None:

@@ -128,3 +128,16 @@ def test_allreduce_cannot_corrupt_the_callers_vector():
 
     with pytest.raises(DisagreementError, match="num_tokens: 40 vs 41"):
         verify_agreement(p, 3, in_place)
+
+
+def test_the_vectors_are_reduced_on_the_transports_device():
+    """An NCCL group has no CPU backend: the collective gets the vectors on the device it is given (here meta, the
+    one device besides the CPU that every machine has), and the verdict comes back on the host."""
+    seen = []
+
+    def on_meta(tensor, op):
+        seen.append(tensor.device.type)
+        return torch.zeros(tensor.shape, dtype=tensor.dtype)  # every replica reported zeros: they agree
+
+    verify_agreement(part(), 1, on_meta, device=torch.device("meta"))
+    assert seen == ["meta", "meta"]
