@@ -92,8 +92,8 @@ def _on_device_compiled(fn, dynamic: bool | None = None):
 
     The token count (the first dimension of every tensor argument) is symbolic from the first call on, so chunks of
     any length share one graph; the vocabulary size stays a constant (``dynamic=None``), so a kernel finds each
-    element's row by a division by a constant. With ``dynamic=True`` it divides by a runtime value for each of a
-    chunk's 600M elements (``python -m bench.gpu``'s head rows time both ways)."""
+    element's row by a division by a constant. With ``dynamic=True`` it divided by a runtime value for each of a
+    chunk's 600M elements, and the two kernels took twice the device time (BENCHMARKS.md, 2026-12-06)."""
     compiled = None
 
     @functools.wraps(fn)
