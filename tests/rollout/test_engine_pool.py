@@ -7,6 +7,8 @@ sample what a run without one samples).
 
 import os
 import signal
+import threading
+import time
 
 import pytest
 import ray
@@ -28,9 +30,12 @@ def setup(tmp_path):
 
     tokenizer = CopyTask().tokenizer
 
-    def make_pool(max_inflight: int, max_restarts: int, faulty=(), **kwargs) -> EnginePool:
-        """``faulty``: the slots whose engines are ``Faulty`` actors."""
+    def make_pool(max_inflight: int, max_restarts: int, faulty=(), before_start=None, **kwargs) -> EnginePool:
+        """``faulty``: the slots whose engines are ``Faulty`` actors; ``before_start(slot, incarnation)`` runs
+        before each start (a start that waits for room on a node)."""
         def start(i, incarnation):
+            if before_start is not None:
+                before_start(i, incarnation)
             return Faulty.remote() if i in faulty else build_engine(cfg, shape, tokenizer, i, incarnation)
 
         return EnginePool(start, 2, max_inflight, max_restarts, **kwargs)
@@ -137,6 +142,53 @@ def test_a_stalled_engine_is_replaced_when_its_call_passes_the_deadline(ray_loca
             os.kill(stalled, signal.SIGCONT)
         except ProcessLookupError:
             pass  # killed by the pool, as it should be
+        pool.shutdown()
+
+
+def test_a_slow_replacement_does_not_stop_the_other_engines(ray_local, setup):
+    """A replacement can wait minutes for room on a node. Meanwhile the pool serves on with the engines it has:
+    another thread's rollout and weight push go through engine 1, and the replacement, once it comes up, loads the
+    weights pushed while it started before it serves."""
+    make_pool, shape, tokenizer = setup
+    weights, newer = random_hf_state(shape), random_hf_state(shape, seed=1)
+    room = threading.Event()
+
+    def wait_for_room(slot, incarnation):
+        if incarnation > 0:
+            assert room.wait(timeout=300), "the test never made room"
+
+    pool = make_pool(max_inflight=0, max_restarts=1, before_start=wait_for_room)
+
+    def bounded(call, *args):  # the old pool held its lock through the start: this thread would wait with it
+        out = []
+        thread = threading.Thread(target=lambda: out.append(call(*args)), daemon=True)
+        thread.start()
+        thread.join(timeout=120)
+        assert not thread.is_alive(), f"{call.__name__} waited for the replacement of another engine"
+        return out[0]
+
+    try:
+        pool.update_weights(weights, 5)
+        sigkill(pool.health(timeout_s=60)[0]["pid"])
+        replacing = threading.Thread(target=pool.health, args=(60,), daemon=True)  # finds engine 0 dead
+        replacing.start()
+        deadline = time.monotonic() + 120
+        while pool.incarnations[0] == 0:  # its replacement is waiting for room
+            assert time.monotonic() < deadline and replacing.is_alive()
+            time.sleep(0.05)
+
+        out = bounded(pool.generate, REQUESTS, PARAMS)
+        assert out == reference(shape, tokenizer, weights, chunk_size=5)  # every chunk, all on engine 1
+        bounded(pool.update_weights, newer, 6)
+        assert pool.incarnations == [1, 0] and replacing.is_alive()
+
+        room.set()
+        replacing.join(timeout=120)
+        assert not replacing.is_alive()
+        assert [h["weight_version"] for h in pool.health(timeout_s=60)] == [6, 6]
+        assert {g.weight_version for g in pool.generate(REQUESTS, PARAMS)} == {6}
+    finally:
+        room.set()
         pool.shutdown()
 
 

@@ -12,9 +12,9 @@ must come from weights no older than the caller's ``min_version`` (by default th
 starts) and no newer than the last pushed: anything else raises ``StaleWeightsError`` rather than reach the trainer.
 
 The driver's weight pushes reach ``update_weights`` from another thread while ``generate`` is under way (the
-manager's two concurrency groups; in either loop, since the driver does not wait for a push): restarts and the
-weights the pool holds are guarded by one lock, and an engine replaced by one thread is not replaced again by the
-other.
+manager's two concurrency groups; in either loop, since the driver does not wait for a push): the slots, the
+restart count and the weights the pool holds are guarded by one lock, which no start or load is waited for under;
+an engine replaced by one thread is not replaced again by the other, which waits for that replacement instead.
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ class EnginePool:
         self._push_error: tuple[int, str] | None = None
         self._loaded_changed = threading.Condition(self._lock)
         self._closing = False  # set by shutdown: no engine is replaced any more
+        self._replacing: dict[int, threading.Event] = {}  # slots being replaced, set once the replacement is done
         # Engine seconds spent in generate calls: finished calls, and the start of each engine's call under way.
-        # A lock of their own: the driver reads them every step, also while a restart holds ``_lock`` for minutes.
+        # A lock of their own: the driver reads them every step, whatever the other threads hold.
         self._busy_lock = threading.Lock()
         self._busy_total = 0.0
         self._busy_since: dict[int, float] = {}
@@ -94,7 +95,18 @@ class EnginePool:
         return len(self.engines) - len(self.retired)
 
     def _serving(self) -> list[int]:
-        return [i for i, engine in enumerate(self.engines) if engine is not None]
+        """The slots that take calls (under the lock): neither retired nor being replaced."""
+        return [i for i, engine in enumerate(self.engines) if engine is not None and i not in self._replacing]
+
+    def _await_replacements(self) -> list[int]:
+        """Wait for the slots other threads are replacing; returns those that serve again."""
+        with self._lock:
+            replacing = dict(self._replacing)
+        for event in replacing.values():
+            event.wait(self.start_timeout_s + self.call_timeout_s)  # the replacing thread's own bound
+        with self._lock:
+            serving = self._serving()
+        return [index for index in replacing if index in serving]
 
     def busy_seconds(self) -> float:
         """Engine seconds spent generating since the pool started (calls under way count up to now)."""
@@ -199,7 +211,10 @@ class EnginePool:
                     chunk = [pending.popleft() for _ in range(min(chunk_size, len(pending)))]
                     call = engine.generate.remote([requests[i] for i in chunk], chunk_params(params, chunk))
                     inflight[call] = (index, engine, chunk, time.monotonic() + self.call_timeout_s)
-                if not inflight:  # requests left and no engine to serve them: the others were retired meanwhile
+                if not inflight:  # requests left, no engine serving: the others are being replaced, or retired
+                    idle.extend(self._await_replacements())
+                    if idle:
+                        continue
                     raise EngineRestartsExhausted(
                         f"no rollout engine is left to serve {len(pending)} requests: the "
                         f"rollout.max_engine_restarts={self.max_restarts} restarts are used up")
@@ -268,46 +283,81 @@ class EnginePool:
 
     def _restart(self, index: int, cause: Exception, failed: Any) -> bool:
         """Replace engine ``index`` (the actor ``failed``) and load the current weights into it before it serves
-        anything; past the restart budget, retire the slot instead. Returns whether the slot serves again. When the
-        other thread has replaced ``failed`` already, nothing more happens: that replacement loaded the weights the
-        pool held then, which ``update_weights`` sets under the same lock before it reaches any engine."""
+        anything; past the restart budget, retire the slot instead. Returns whether the slot serves again.
+
+        The replacement starts and loads outside the pool's lock, so the other engines go on serving meanwhile (a
+        start can wait minutes for room on a node). A thread that meets the same failed actor while it is being
+        replaced waits for that replacement rather than starting a second; one that meets it after the swap finds
+        the new engine in the slot."""
         with self._lock:
             if self._closing:
                 raise RuntimeError(f"rollout engine {index} stopped: the engine pool is shutting down") from cause
             if self.engines[index] is not failed:
                 return self.engines[index] is not None
-            return self._replace(index, cause)
+            replacing = self._replacing.get(index)
+            mine = replacing is None
+            if mine:
+                replacing = self._replacing[index] = threading.Event()
+        if not mine:
+            replacing.wait(self.start_timeout_s + self.call_timeout_s)  # the replacing thread's own bound
+            with self._lock:
+                return self.engines[index] is not None and self.engines[index] is not failed
+        try:
+            return self._replace(index, cause, failed)
+        finally:
+            with self._lock:
+                del self._replacing[index]
+            replacing.set()
 
-    def _replace(self, index: int, cause: Exception) -> bool:
+    def _replace(self, index: int, cause: Exception, failed: Any) -> bool:
         """Start engines for slot ``index`` until one answers and holds the pool's weights, within one
         ``start_timeout_s + call_timeout_s`` for all the tries (a replacement that cannot be placed, its node gone
-        and no room left, must not hold the pool's lock for the whole restart budget); else retire the slot."""
+        and no room left, must not keep the slot waiting for the whole restart budget); else retire the slot. The
+        slot keeps the killed actor until the replacement holds the weights the pool holds at that moment: a push
+        that came meanwhile is loaded too before it serves."""
         deadline = time.monotonic() + self.start_timeout_s + self.call_timeout_s
+        engine = failed
         while True:
-            ray.kill(self.engines[index])  # a hung engine must not come back as a twin
+            ray.kill(engine)  # a hung engine must not come back as a twin
             left = deadline - time.monotonic()
-            if self.restarts >= self.max_restarts or left <= 0:
-                why = (f"the rollout.max_engine_restarts={self.max_restarts} restarts are used up"
-                       if self.restarts >= self.max_restarts else
-                       f"no replacement came up within {self.start_timeout_s + self.call_timeout_s:g} s")
-                self.engines[index] = None
-                self.retired.append(index)
-                if not self.num_alive():
-                    first_line = str(cause).splitlines()[0] if str(cause) else ""
-                    raise EngineRestartsExhausted(
-                        f"the last serving rollout engine ({index}) failed ({type(cause).__name__}: {first_line}) and "
-                        f"{why}") from cause
-                log.warning("rollout engine %d failed (%s) and %s: retired, %d engines serve on", index,
-                            type(cause).__name__, why, self.num_alive())
-                return False
-            self.restarts += 1
-            self.incarnations[index] += 1
-            self.engines[index] = engine = self._start_engine(index, self.incarnations[index])
+            with self._lock:
+                if self.restarts >= self.max_restarts or left <= 0 or self._closing:
+                    return self._retire(index, cause)
+                self.restarts += 1
+                self.incarnations[index] += 1
+                incarnation = self.incarnations[index]
+            engine = self._start_engine(index, incarnation)
             try:
                 ray.get(engine.health.remote(), timeout=min(self.start_timeout_s, left))  # placed and started
-                if self._weights is not None:
-                    ray.get(engine.update_weights.remote(*self._weights),
-                            timeout=max(0.0, deadline - time.monotonic()))
-                return True
+                loaded = None
+                while True:
+                    with self._lock:
+                        if self._closing:
+                            ray.kill(engine)
+                            raise RuntimeError(
+                                f"rollout engine {index} stopped: the engine pool is shutting down") from cause
+                        if self._weights is None or self._weights is loaded:
+                            self.engines[index] = engine
+                            return True
+                        loaded = self._weights
+                    ray.get(engine.update_weights.remote(*loaded), timeout=max(0.0, deadline - time.monotonic()))
             except (RayActorError, GetTimeoutError) as e:
                 cause = e
+
+    def _retire(self, index: int, cause: Exception) -> bool:
+        """Take slot ``index`` out of service (under the pool's lock); the last serving slot is the run's error."""
+        if self._closing:
+            raise RuntimeError(f"rollout engine {index} stopped: the engine pool is shutting down") from cause
+        why = (f"the rollout.max_engine_restarts={self.max_restarts} restarts are used up"
+               if self.restarts >= self.max_restarts else
+               f"no replacement came up within {self.start_timeout_s + self.call_timeout_s:g} s")
+        self.engines[index] = None
+        self.retired.append(index)
+        if not self.num_alive():
+            first_line = str(cause).splitlines()[0] if str(cause) else ""
+            raise EngineRestartsExhausted(
+                f"the last serving rollout engine ({index}) failed ({type(cause).__name__}: {first_line}) and "
+                f"{why}") from cause
+        log.warning("rollout engine %d failed (%s) and %s: retired, %d engines serve on", index,
+                    type(cause).__name__, why, self.num_alive())
+        return False
