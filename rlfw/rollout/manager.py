@@ -108,7 +108,9 @@ class RolloutManager:
             self.pool.wait_loaded(min_version, version_wait_s)
         except RuntimeError as e:
             raise RuntimeError(f"step {step}: {e}") from e
-        self.pool.health(HEALTH_TIMEOUT_S)  # a dead or hung engine is replaced before the step's requests go out
+        # A dead or hung engine is found before the step's requests go out; it is replaced in the background, and
+        # the others serve meanwhile.
+        self.pool.health(HEALTH_TIMEOUT_S, wait=False)
         cfg = self.cfg.rollout
         rng = np.random.default_rng([self.cfg.seed, step])
         rounds = 1 + (cfg.max_oversample_rounds if cfg.dynamic_sampling else 0)

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -30,12 +31,13 @@ def setup(tmp_path):
 
     tokenizer = CopyTask().tokenizer
 
-    def make_pool(max_inflight: int, max_restarts: int, faulty=(), before_start=None, **kwargs) -> EnginePool:
-        """``faulty``: the slots whose engines are ``Faulty`` actors; ``before_start(slot, incarnation)`` runs
-        before each start (a start that waits for room on a node)."""
+    def make_pool(max_inflight: int, max_restarts: int, faulty=(), start_as=None, **kwargs) -> EnginePool:
+        """``faulty``: the slots whose engines are ``Faulty`` actors; ``start_as(slot, incarnation)``: the actor
+        for that start, or None for the usual engine (it may wait first: a start waiting for room on a node)."""
         def start(i, incarnation):
-            if before_start is not None:
-                before_start(i, incarnation)
+            engine = start_as(i, incarnation) if start_as is not None else None
+            if engine is not None:
+                return engine
             return Faulty.remote() if i in faulty else build_engine(cfg, shape, tokenizer, i, incarnation)
 
         return EnginePool(start, 2, max_inflight, max_restarts, **kwargs)
@@ -145,10 +147,21 @@ def test_a_stalled_engine_is_replaced_when_its_call_passes_the_deadline(ray_loca
         pool.shutdown()
 
 
-def test_a_slow_replacement_does_not_stop_the_other_engines(ray_local, setup):
-    """A replacement can wait minutes for room on a node. Meanwhile the pool serves on with the engines it has:
-    another thread's rollout and weight push go through engine 1, and the replacement, once it comes up, loads the
-    weights pushed while it started before it serves."""
+def bounded(call, *args):
+    """``call(*args)`` in a thread, which must return within two minutes: the old pool held its lock through a
+    replacement's start, and this thread would have waited with it."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(call(*args)), daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), f"{call.__name__} waited for the replacement of another engine"
+    return out[0]
+
+
+def test_a_slow_replacement_does_not_stop_the_rollout_or_the_push(ray_local, setup):
+    """A replacement can wait minutes for room on a node. The rollout that finds its engine dead serves on with the
+    others, and so does a weight push; the replacement, once up, loads the weights pushed meanwhile, and the next
+    health check waits for it."""
     make_pool, shape, tokenizer = setup
     weights, newer = random_hf_state(shape), random_hf_state(shape, seed=1)
     room = threading.Event()
@@ -157,38 +170,71 @@ def test_a_slow_replacement_does_not_stop_the_other_engines(ray_local, setup):
         if incarnation > 0:
             assert room.wait(timeout=300), "the test never made room"
 
-    pool = make_pool(max_inflight=0, max_restarts=1, before_start=wait_for_room)
+    pool = make_pool(max_inflight=0, max_restarts=1, start_as=wait_for_room)
+    try:
+        pool.update_weights(weights, 5)
+        sigkill(pool.health(timeout_s=60)[0]["pid"])
 
-    def bounded(call, *args):  # the old pool held its lock through the start: this thread would wait with it
-        out = []
-        thread = threading.Thread(target=lambda: out.append(call(*args)), daemon=True)
-        thread.start()
-        thread.join(timeout=120)
-        assert not thread.is_alive(), f"{call.__name__} waited for the replacement of another engine"
-        return out[0]
+        out = bounded(pool.generate, REQUESTS, PARAMS)  # engine 0's chunk fails, and is served by engine 1
+        assert out == reference(shape, tokenizer, weights, chunk_size=5)
+        bounded(pool.update_weights, newer, 6)
+        assert pool.incarnations == [1, 0] and pool.restarts == 1  # still waiting for room
 
+        room.set()
+        assert [h["weight_version"] for h in pool.health(timeout_s=60)] == [6, 6]
+        assert {g.weight_version for g in pool.generate(REQUESTS, PARAMS)} == {6}
+    finally:
+        room.set()
+        pool.shutdown()
+
+
+class SlowFirstLoad(LocalEngine):
+    """An engine whose first weight load waits for the file ``go`` in ``gate`` (a load that takes minutes), after
+    marking with ``loading`` that it began."""
+
+    def __init__(self, gate: str, **kwargs):
+        super().__init__(**kwargs)
+        self.gate, self.loads = Path(gate), 0
+
+    def update_weights(self, hf_state, version):
+        self.loads += 1
+        if self.loads == 1:
+            (self.gate / "loading").touch()
+            deadline = time.monotonic() + 300
+            while not (self.gate / "go").exists():
+                assert time.monotonic() < deadline, "the test never let the load finish"
+                time.sleep(0.05)
+        super().update_weights(hf_state, version)
+
+
+def test_a_push_during_a_replacements_load_is_loaded_before_it_serves(ray_local, setup, tmp_path):
+    make_pool, shape, tokenizer = setup
+    weights, newer = random_hf_state(shape), random_hf_state(shape, seed=1)
+
+    def slow_load(slot, incarnation):
+        if incarnation > 0:
+            return ray.remote(num_cpus=0)(SlowFirstLoad).remote(
+                str(tmp_path), shape=shape, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, seed=0)
+        return None
+
+    pool = make_pool(max_inflight=0, max_restarts=1, start_as=slow_load)
     try:
         pool.update_weights(weights, 5)
         sigkill(pool.health(timeout_s=60)[0]["pid"])
         replacing = threading.Thread(target=pool.health, args=(60,), daemon=True)  # finds engine 0 dead
         replacing.start()
         deadline = time.monotonic() + 120
-        while pool.incarnations[0] == 0:  # its replacement is waiting for room
+        while not (tmp_path / "loading").exists():  # the replacement is loading v5
             assert time.monotonic() < deadline and replacing.is_alive()
             time.sleep(0.05)
-
-        out = bounded(pool.generate, REQUESTS, PARAMS)
-        assert out == reference(shape, tokenizer, weights, chunk_size=5)  # every chunk, all on engine 1
-        bounded(pool.update_weights, newer, 6)
-        assert pool.incarnations == [1, 0] and replacing.is_alive()
-
-        room.set()
+        bounded(pool.update_weights, newer, 6)  # reaches engine 1; the replacement must load it too
+        (tmp_path / "go").touch()
         replacing.join(timeout=120)
         assert not replacing.is_alive()
         assert [h["weight_version"] for h in pool.health(timeout_s=60)] == [6, 6]
-        assert {g.weight_version for g in pool.generate(REQUESTS, PARAMS)} == {6}
     finally:
-        room.set()
+        (tmp_path / "go").touch()
         pool.shutdown()
 
 

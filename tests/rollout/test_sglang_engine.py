@@ -527,6 +527,8 @@ def test_killed_server_batch_is_resent_and_server_restarted_with_current_weights
             generations = running.result(timeout=600)
 
         assert_same(generations, reference(STATE_B, PROMPTS, GREEDY), version=2)
+        # The rollout served on with the other server; the health check waits for the replacement under way.
+        assert [h["weight_version"] for h in pool.health(timeout_s=300)] == [2, 2]
         log = events(tmp_path / "events.jsonl")
         at_hang = log.index(hung)
         hung_batch = [e for e in log[:at_hang] if e.get("path") == "/generate" and e["port"] == hung["port"]][-1]

@@ -36,6 +36,8 @@ from rlfw.rollout.types import Generation, SamplingParams
 
 log = logging.getLogger("rlfw.rollout")
 
+REPLACED_POLL_S = 1.0  # how often a rollout looks whether a slot replaced in the background serves again
+
 
 class EngineRestartsExhausted(RuntimeError):
     """The last serving engine died and the pool may not restart another one."""
@@ -79,7 +81,10 @@ class EnginePool:
         self._push_error: tuple[int, str] | None = None
         self._loaded_changed = threading.Condition(self._lock)
         self._closing = False  # set by shutdown: no engine is replaced any more
-        self._replacing: dict[int, threading.Event] = {}  # slots being replaced, set once the replacement is done
+        self._replacing: set[int] = set()  # slots whose replacement is under way (they do not serve meanwhile)
+        self._starting: dict[int, Any] = {}  # the actor each of those is starting: shutdown ends it too
+        self._slots_changed = threading.Condition(self._lock)  # a replacement ended: its slot serves or is retired
+        self._background_error: BaseException | None = None  # how the last replacement in the background failed
         # Engine seconds spent in generate calls: finished calls, and the start of each engine's call under way.
         # A lock of their own: the driver reads them every step, whatever the other threads hold.
         self._busy_lock = threading.Lock()
@@ -98,15 +103,12 @@ class EnginePool:
         """The slots that take calls (under the lock): neither retired nor being replaced."""
         return [i for i, engine in enumerate(self.engines) if engine is not None and i not in self._replacing]
 
-    def _await_replacements(self) -> list[int]:
-        """Wait for the slots other threads are replacing; returns those that serve again."""
-        with self._lock:
-            replacing = dict(self._replacing)
-        for event in replacing.values():
-            event.wait(self.start_timeout_s + self.call_timeout_s)  # the replacing thread's own bound
-        with self._lock:
-            serving = self._serving()
-        return [index for index in replacing if index in serving]
+    def _await_serving(self) -> list[int]:
+        """The serving slots, once any serves or no replacement is under way (within one replacement's bound)."""
+        with self._slots_changed:
+            self._slots_changed.wait_for(lambda: self._serving() or not self._replacing or self._closing,
+                                         timeout=self.start_timeout_s + self.call_timeout_s)
+            return self._serving()
 
     def busy_seconds(self) -> float:
         """Engine seconds spent generating since the pool started (calls under way count up to now)."""
@@ -159,10 +161,15 @@ class EnginePool:
                                        f"{waited}")
                 self._loaded_changed.wait(left)
 
-    def health(self, timeout_s: float) -> list[dict[str, Any]]:
+    def health(self, timeout_s: float, wait: bool = True) -> list[dict[str, Any]]:
         """The health answer of each serving engine; one that is dead or does not answer in ``timeout_s`` is
-        replaced (or retired past the restart budget, and then left out)."""
-        with self._lock:
+        replaced (or retired past the restart budget, and then left out). ``wait=False``: the replacement goes on
+        in the background and its slot is left out (a rollout about to start, which serves on with the others);
+        with ``wait``, replacements already under way are waited for first, so that every slot answers."""
+        with self._slots_changed:
+            if wait:
+                self._slots_changed.wait_for(lambda: not self._replacing or self._closing,
+                                             timeout=self.start_timeout_s + self.call_timeout_s)
             engines = {index: self.engines[index] for index in self._serving()}
         calls = {index: engine.health.remote() for index, engine in engines.items()}
         answers = []
@@ -170,7 +177,7 @@ class EnginePool:
             try:
                 answers.append(ray.get(call, timeout=timeout_s))
             except (RayActorError, GetTimeoutError) as e:
-                if self._restart(index, e, engines[index]):
+                if self._restart(index, e, engines[index], wait=wait):
                     with self._lock:
                         replacement = self.engines[index]
                     try:
@@ -196,10 +203,13 @@ class EnginePool:
         results: list[Generation | None] = [None] * len(requests)
         # call -> (engine slot, its actor, the chunk, the deadline)
         inflight: dict[ray.ObjectRef, tuple[int, Any, list[int], float]] = {}
-        with self._lock:
-            idle = deque(self._serving())
+        idle: deque[int] = deque()
         try:
             while pending or inflight:
+                with self._lock:  # every serving slot without a call of this rollout: one replaced meanwhile too
+                    calling = {index for index, *_ in inflight.values()}
+                    idle.extend(i for i in self._serving() if i not in idle and i not in calling)
+                    replacing = bool(self._replacing)
                 while idle and pending:
                     index = idle.popleft()
                     with self._lock:
@@ -211,16 +221,21 @@ class EnginePool:
                     chunk = [pending.popleft() for _ in range(min(chunk_size, len(pending)))]
                     call = engine.generate.remote([requests[i] for i in chunk], chunk_params(params, chunk))
                     inflight[call] = (index, engine, chunk, time.monotonic() + self.call_timeout_s)
-                if not inflight:  # requests left, no engine serving: the others are being replaced, or retired
-                    idle.extend(self._await_replacements())
+                if not inflight:  # requests left and no call out: wait for a replacement under way, if any
+                    idle.extend(self._await_serving())
                     if idle:
                         continue
+                    cause = self._background_error
                     raise EngineRestartsExhausted(
-                        f"no rollout engine is left to serve {len(pending)} requests: the "
-                        f"rollout.max_engine_restarts={self.max_restarts} restarts are used up")
+                        f"no rollout engine is left to serve {len(pending)} requests: " + (
+                            str(cause) if cause is not None else
+                            f"the rollout.max_engine_restarts={self.max_restarts} restarts are used up")) from cause
                 first_deadline = min(deadline for *_, deadline in inflight.values())
+                wait_s = max(0.0, first_deadline - time.monotonic())
                 ready, _ = ray.wait(list(inflight), num_returns=1,
-                                    timeout=max(0.0, first_deadline - time.monotonic()))
+                                    timeout=min(wait_s, REPLACED_POLL_S) if replacing else wait_s)
+                if not ready and time.monotonic() < first_deadline:
+                    continue  # a look whether a slot being replaced serves again
                 if not ready:  # the oldest call is past its deadline: its engine hangs
                     done = min(inflight, key=lambda ref: inflight[ref][3])
                     index, engine, chunk, _ = inflight.pop(done)
@@ -228,8 +243,7 @@ class EnginePool:
                     pending.extendleft(reversed(chunk))
                     hung = GetTimeoutError(
                         f"engine {index} did not answer a generate call within {self.call_timeout_s} s")
-                    if self._restart(index, hung, engine):
-                        idle.append(index)
+                    self._restart(index, hung, engine, wait=False)  # serves this rollout again once replaced
                     continue
                 [done] = ready
                 index, engine, chunk, _ = inflight.pop(done)
@@ -238,8 +252,7 @@ class EnginePool:
                     generations = ray.get(done)
                 except RayActorError as e:
                     pending.extendleft(reversed(chunk))  # first in line again, on whichever engine is free next
-                    if self._restart(index, e, engine):
-                        idle.append(index)
+                    self._restart(index, e, engine, wait=False)
                     continue
                 idle.append(index)
                 for i, generation in zip(chunk, generations):
@@ -261,7 +274,8 @@ class EnginePool:
         with self._loaded_changed:
             self._closing = True
             self._loaded_changed.notify_all()  # a generate call waiting for a push gives up
-            engines = [self.engines[index] for index in self._serving()]
+            self._slots_changed.notify_all()
+            engines = [self.engines[index] for index in self._serving()] + list(self._starting.values())
         calls = [engine.shutdown.remote() for engine in engines]
         deadline = time.monotonic() + self.call_timeout_s
         for engine, call in zip(engines, calls):
@@ -281,68 +295,100 @@ class EnginePool:
             got = ", ".join(f"v{v}" for v in sorted(set(versions), key=str))
             raise StaleWeightsError(f"engine {index} answered with weights {got}, expected {wanted}")
 
-    def _restart(self, index: int, cause: Exception, failed: Any) -> bool:
+    def _restart(self, index: int, cause: Exception, failed: Any, wait: bool = True) -> bool:
         """Replace engine ``index`` (the actor ``failed``) and load the current weights into it before it serves
         anything; past the restart budget, retire the slot instead. Returns whether the slot serves again.
 
         The replacement starts and loads outside the pool's lock, so the other engines go on serving meanwhile (a
-        start can wait minutes for room on a node). A thread that meets the same failed actor while it is being
-        replaced waits for that replacement rather than starting a second; one that meets it after the swap finds
-        the new engine in the slot."""
+        start can wait minutes for room on a node), and the slot serves nothing until it is done. A thread that
+        meets the same failed actor meanwhile does not start a second replacement: with ``wait`` it waits for the
+        first; without (a rollout, which serves on with its other engines) it returns False at once, and so does a
+        replacement it starts, which then runs in a thread of its own."""
         with self._lock:
             if self._closing:
                 raise RuntimeError(f"rollout engine {index} stopped: the engine pool is shutting down") from cause
-            if self.engines[index] is not failed:
-                return self.engines[index] is not None
-            replacing = self._replacing.get(index)
-            mine = replacing is None
+            mine = index not in self._replacing
             if mine:
-                replacing = self._replacing[index] = threading.Event()
-        if not mine:
-            replacing.wait(self.start_timeout_s + self.call_timeout_s)  # the replacing thread's own bound
-            with self._lock:
-                return self.engines[index] is not None and self.engines[index] is not failed
-        try:
+                if self.engines[index] is not failed:  # replaced or retired by another thread already
+                    return self.engines[index] is not None
+                self._replacing.add(index)
+        if mine and wait:
             return self._replace(index, cause, failed)
-        finally:
-            with self._lock:
-                del self._replacing[index]
-            replacing.set()
+        if mine:
+            threading.Thread(target=self._replace_in_background, args=(index, cause, failed), daemon=True,
+                             name=f"replace-engine-{index}").start()
+            return False
+        if not wait:
+            return False
+        with self._slots_changed:
+            self._slots_changed.wait_for(lambda: index not in self._replacing,
+                                         timeout=self.start_timeout_s + self.call_timeout_s)  # its own bound
+            return index in self._serving()
+
+    def _replace_in_background(self, index: int, cause: Exception, failed: Any) -> None:
+        try:
+            self._replace(index, cause, failed)
+        except BaseException as e:  # noqa: BLE001 - the rollout that handed it off finds the slot retired or dead
+            self._background_error = e  # what a rollout left without engines names as the cause
+            log.log(logging.INFO if self._closing else logging.WARNING, "rollout engine %d was not replaced: %s: %s",
+                    index, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
 
     def _replace(self, index: int, cause: Exception, failed: Any) -> bool:
-        """Start engines for slot ``index`` until one answers and holds the pool's weights, within one
-        ``start_timeout_s + call_timeout_s`` for all the tries (a replacement that cannot be placed, its node gone
-        and no room left, must not keep the slot waiting for the whole restart budget); else retire the slot. The
-        slot keeps the killed actor until the replacement holds the weights the pool holds at that moment: a push
-        that came meanwhile is loaded too before it serves."""
+        """Start engines for slot ``index`` (in ``_replacing``) until one answers and holds the pool's weights,
+        within one ``start_timeout_s + call_timeout_s`` for all the tries (a replacement that cannot be placed, its
+        node gone and no room left, must not keep the slot waiting for the whole restart budget); else retire the
+        slot. The slot is swapped, under the lock, only once the replacement holds the weights the pool holds at
+        that moment: a push that came meanwhile is loaded too before it serves. Every actor started here and not
+        swapped in is ended."""
         deadline = time.monotonic() + self.start_timeout_s + self.call_timeout_s
-        engine = failed
-        while True:
-            ray.kill(engine)  # a hung engine must not come back as a twin
-            left = deadline - time.monotonic()
+        try:
+            ray.kill(failed)  # a hung engine must not come back as a twin
+            while True:
+                left = deadline - time.monotonic()
+                with self._lock:
+                    if self.restarts >= self.max_restarts or left <= 0 or self._closing:
+                        return self._retire(index, cause)
+                    self.restarts += 1
+                    self.incarnations[index] += 1
+                    incarnation = self.incarnations[index]
+                engine = self._start_engine(index, incarnation)
+                try:
+                    if self._swap_in_when_loaded(index, engine, cause, left, deadline):
+                        return True
+                except (RayActorError, GetTimeoutError) as e:
+                    cause = e
+        finally:
+            with self._slots_changed:
+                self._replacing.discard(index)
+                self._starting.pop(index, None)
+                self._slots_changed.notify_all()
+
+    def _swap_in_when_loaded(self, index: int, engine: Any, cause: Exception, left: float, deadline: float) -> bool:
+        swapped = False
+        try:
             with self._lock:
-                if self.restarts >= self.max_restarts or left <= 0 or self._closing:
-                    return self._retire(index, cause)
-                self.restarts += 1
-                self.incarnations[index] += 1
-                incarnation = self.incarnations[index]
-            engine = self._start_engine(index, incarnation)
-            try:
-                ray.get(engine.health.remote(), timeout=min(self.start_timeout_s, left))  # placed and started
-                loaded = None
-                while True:
-                    with self._lock:
-                        if self._closing:
-                            ray.kill(engine)
-                            raise RuntimeError(
-                                f"rollout engine {index} stopped: the engine pool is shutting down") from cause
-                        if self._weights is None or self._weights is loaded:
-                            self.engines[index] = engine
-                            return True
-                        loaded = self._weights
-                    ray.get(engine.update_weights.remote(*loaded), timeout=max(0.0, deadline - time.monotonic()))
-            except (RayActorError, GetTimeoutError) as e:
-                cause = e
+                if self._closing:
+                    raise RuntimeError(f"rollout engine {index} stopped: the engine pool is shutting down") from cause
+                self._starting[index] = engine
+            ray.get(engine.health.remote(), timeout=min(self.start_timeout_s, left))  # placed and started
+            loaded = None
+            while True:
+                with self._slots_changed:
+                    if self._closing:
+                        raise RuntimeError(
+                            f"rollout engine {index} stopped: the engine pool is shutting down") from cause
+                    if self._weights is None or self._weights is loaded:
+                        self.engines[index] = engine
+                        self._replacing.discard(index)  # in the same step: a push from now on reaches it
+                        self._starting.pop(index, None)
+                        self._slots_changed.notify_all()
+                        swapped = True
+                        return True
+                    loaded = self._weights
+                ray.get(engine.update_weights.remote(*loaded), timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            if not swapped:
+                ray.kill(engine)
 
     def _retire(self, index: int, cause: Exception) -> bool:
         """Take slot ``index`` out of service (under the pool's lock); the last serving slot is the run's error."""
