@@ -40,7 +40,7 @@ def verify_agreement(
 
     ``allreduce(tensor, op)`` reduces across the participants with op "min" or "max" and returns the result;
     ``extra`` adds the sync's own fields (the same keys, in the same order, on every participant). The vectors are
-    reduced on ``device``, the transport's: an NCCL group has no CPU backend.
+    reduced on ``device``, the trainer's: an NCCL group has no CPU backend (Gloo takes CUDA tensors as well).
     """
     mine = agreement_vector(part, num_participants, extra)
     low, high = (allreduce(mine.to(device, copy=True), op).cpu() for op in ("min", "max"))

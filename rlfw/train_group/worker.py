@@ -110,8 +110,8 @@ class TrainerWorker:
         self.store = store
         ft = self.cfg.ft
         # A cell's Megatron groups carry one forward/backward's collectives: a peer late by a collective timeout is
-        # stalled. A classic world's data-parallel group also waits out its slowest rank's forward/backward, bounded
-        # like the phase that runs it.
+        # stalled. A classic world's data-parallel group also waits out its slowest rank's forward/backward: it gets
+        # the phase deadlines' floor, and the driver's deadline for the phase bounds a hang.
         groups_timeout_s = (ft.collective_timeout_s if self.cfg.dp.mode == "cells"
                             else max(ft.collective_timeout_s, ft.first_call_timeout_s))
         join_world(store, self.rank, self.world_size, device, tp=self.cfg.dp.tp, pp=self.cfg.dp.pp,

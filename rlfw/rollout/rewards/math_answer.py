@@ -83,7 +83,11 @@ class _Worker:
             self._starter.start()
         started = Future()
         self._requests.put(started)
-        return started.result(timeout=WORKER_START_S)
+        try:
+            return started.result(timeout=WORKER_START_S)
+        except TimeoutError:  # a pool that comes up after all is ended, not left idle
+            started.add_done_callback(lambda done: done.exception() is None and done.result().terminate())
+            raise
 
     def score(self, response_text: str, answer: str, timeout_s: int) -> float:
         with self._lock:
