@@ -68,6 +68,7 @@ class EnginePool:
         self.max_restarts = max_restarts
         self.call_timeout_s = call_timeout_s  # one generate or weight-load call; past it the engine counts as hung
         self.start_timeout_s = start_timeout_s  # a new engine's process start, added to its first call's deadline
+        self.replacement_timeout_s = start_timeout_s + call_timeout_s  # all the tries of one slot's replacement
         self.incarnations = [0] * num_engines
         self.engines = [start_engine(i, 0) for i in range(num_engines)]  # None: a slot retired past the budget
         self.restarts = 0
@@ -107,7 +108,7 @@ class EnginePool:
         """The serving slots, once any serves or no replacement is under way (within one replacement's bound)."""
         with self._slots_changed:
             self._slots_changed.wait_for(lambda: self._serving() or not self._replacing or self._closing,
-                                         timeout=self.start_timeout_s + self.call_timeout_s)
+                                         timeout=self.replacement_timeout_s)
             return self._serving()
 
     def busy_seconds(self) -> float:
@@ -169,7 +170,7 @@ class EnginePool:
         with self._slots_changed:
             if wait:
                 self._slots_changed.wait_for(lambda: not self._replacing or self._closing,
-                                             timeout=self.start_timeout_s + self.call_timeout_s)
+                                             timeout=self.replacement_timeout_s)
             engines = {index: self.engines[index] for index in self._serving()}
         calls = {index: engine.health.remote() for index, engine in engines.items()}
         answers = []
@@ -305,8 +306,7 @@ class EnginePool:
         first; without (a rollout, which serves on with its other engines) it returns False at once, and so does a
         replacement it starts, which then runs in a thread of its own."""
         with self._lock:
-            if self._closing:
-                raise RuntimeError(f"rollout engine {index} stopped: the engine pool is shutting down") from cause
+            self._refuse_if_closing(index, cause)
             mine = index not in self._replacing
             if mine:
                 if self.engines[index] is not failed:  # replaced or retired by another thread already
@@ -322,8 +322,13 @@ class EnginePool:
             return False
         with self._slots_changed:
             self._slots_changed.wait_for(lambda: index not in self._replacing,
-                                         timeout=self.start_timeout_s + self.call_timeout_s)  # its own bound
+                                         timeout=self.replacement_timeout_s)  # its own bound
             return index in self._serving()
+
+    def _refuse_if_closing(self, index: int, cause: Exception) -> None:
+        """Under the pool's lock: once shutdown began, no engine is replaced any more."""
+        if self._closing:
+            raise RuntimeError(f"rollout engine {index} stopped: the engine pool is shutting down") from cause
 
     def _replace_in_background(self, index: int, cause: Exception, failed: Any) -> None:
         try:
@@ -335,12 +340,12 @@ class EnginePool:
 
     def _replace(self, index: int, cause: Exception, failed: Any) -> bool:
         """Start engines for slot ``index`` (in ``_replacing``) until one answers and holds the pool's weights,
-        within one ``start_timeout_s + call_timeout_s`` for all the tries (a replacement that cannot be placed, its
+        within one ``replacement_timeout_s`` for all the tries (a replacement that cannot be placed, its
         node gone and no room left, must not keep the slot waiting for the whole restart budget); else retire the
         slot. The slot is swapped, under the lock, only once the replacement holds the weights the pool holds at
         that moment: a push that came meanwhile is loaded too before it serves. Every actor started here and not
         swapped in is ended."""
-        deadline = time.monotonic() + self.start_timeout_s + self.call_timeout_s
+        deadline = time.monotonic() + self.replacement_timeout_s
         try:
             ray.kill(failed)  # a hung engine must not come back as a twin
             while True:
@@ -367,16 +372,13 @@ class EnginePool:
         swapped = False
         try:
             with self._lock:
-                if self._closing:
-                    raise RuntimeError(f"rollout engine {index} stopped: the engine pool is shutting down") from cause
+                self._refuse_if_closing(index, cause)
                 self._starting[index] = engine
             ray.get(engine.health.remote(), timeout=min(self.start_timeout_s, left))  # placed and started
             loaded = None
             while True:
                 with self._slots_changed:
-                    if self._closing:
-                        raise RuntimeError(
-                            f"rollout engine {index} stopped: the engine pool is shutting down") from cause
+                    self._refuse_if_closing(index, cause)
                     if self._weights is None or self._weights is loaded:
                         self.engines[index] = engine
                         self._replacing.discard(index)  # in the same step: a push from now on reaches it
@@ -392,11 +394,10 @@ class EnginePool:
 
     def _retire(self, index: int, cause: Exception) -> bool:
         """Take slot ``index`` out of service (under the pool's lock); the last serving slot is the run's error."""
-        if self._closing:
-            raise RuntimeError(f"rollout engine {index} stopped: the engine pool is shutting down") from cause
+        self._refuse_if_closing(index, cause)
         why = (f"the rollout.max_engine_restarts={self.max_restarts} restarts are used up"
                if self.restarts >= self.max_restarts else
-               f"no replacement came up within {self.start_timeout_s + self.call_timeout_s:g} s")
+               f"no replacement came up within {self.replacement_timeout_s:g} s")
         self.engines[index] = None
         self.retired.append(index)
         if not self.num_alive():
