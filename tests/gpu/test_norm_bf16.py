@@ -1,0 +1,43 @@
+"""rlfw's compiled RMSNorm in bf16 on the GPU (run on the device: BENCHMARKS.md says when and where), against
+torch's RMSNorm on the same inputs and fp32 math. CPU runs skip it; the formula and the swap are pinned in CI by
+``tests/megatron/test_norm.py``."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlfw.megatron.norm import CompiledRMSNorm
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 on the GPU: run on the device")
+
+
+@pytest.mark.parametrize("tokens", [16384, 3001])  # two lengths: one compiled graph serves both (dynamic tokens)
+def test_compiled_rmsnorm_rounds_fp32_math_once_and_its_gradients_match_torchs(tokens):
+    """Hidden states of the Qwen2-1.5B width in [seq, batch, hidden]: every output element is fp32 math rounded
+    once (within one bf16 ulp of it), and both gradients lie as close to fp32 math as torch's bf16 RMSNorm's."""
+    device = torch.device("cuda")
+    g = torch.Generator(device=device).manual_seed(tokens)
+    x = (torch.randn(tokens, 1, 1536, generator=g, device=device) * 3).bfloat16()
+    weight = (1 + 0.1 * torch.randn(1536, generator=g, device=device)).bfloat16()
+    upstream = torch.randn(tokens, 1, 1536, generator=g, device=device).bfloat16()
+
+    def run(fn, dtype):
+        xi, wi = x.to(dtype).clone().requires_grad_(True), weight.to(dtype).clone().requires_grad_(True)
+        out = fn(xi, wi)
+        gx, gw = torch.autograd.grad(out, (xi, wi), upstream.to(dtype))
+        return out.float(), gx.float(), gw.float()
+
+    def compiled(xi, wi):
+        norm = CompiledRMSNorm(1536, eps=1e-6, device=device, dtype=wi.dtype)
+        norm.weight = torch.nn.Parameter(wi)  # the graph's input, so its gradient reaches wi
+        return norm(xi)
+
+    exact = run(lambda xi, wi: F.rms_norm(xi, (1536,), wi, 1e-6), torch.float32)
+    ours = run(compiled, torch.bfloat16)
+    torchs = run(lambda xi, wi: F.rms_norm(xi, (1536,), wi, 1e-6), torch.bfloat16)
+
+    ulp = exact[0].abs() * 2.0**-8 + 1e-30  # bf16 keeps 8 significant bits: one rounding is within half of this
+    assert ((ours[0] - exact[0]).abs() <= ulp).all()
+    for name, a, b, e in zip(("value", "grad x", "grad w"), ours, torchs, exact):
+        err_ours, err_torch = (a - e).abs().max().item(), (b - e).abs().max().item()
+        assert err_ours <= 1.5 * err_torch, (name, err_ours, err_torch)
