@@ -34,7 +34,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", default="",
                         help="comma-separated: check,head,before,variants (unfused: just its SwiGLU row; rope, "
-                             "wgrad, oldhead, oldoptim: just their rows of the code before),bare,profile,recompute")
+                             "wgrad, oldhead, oldoptim, norm, oldfinite: just their rows of the code before),bare,"
+                             "profile,recompute")
     parser.add_argument("--head-tokens", default="8192,16384,32768,65536", help="token counts of the head's own rows")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -125,6 +126,12 @@ def main() -> None:
         if "oldhead" not in skip:  # the head's kernels compiled with every size symbolic, bf16 weight-grad products
             timed(f"rlfw step packed {budgets[-1]}, head compiled as before", rlfw(budgets[-1], "packed"), "packed",
                   within=head.as_before, budget=budgets[-1])
+        if "norm" not in skip:  # torch's RMSNorm kernels
+            timed(f"rlfw step packed {budgets[-1]}, torch's RMSNorm", rlfw(budgets[-1], "packed"), "packed",
+                  within=lambda: setup.torch_norms(trainer), budget=budgets[-1])
+        if "oldfinite" not in skip:  # the finite check as torch.isfinite on chunks
+            timed(f"rlfw step packed {budgets[-1]}, isfinite check (before)", rlfw(budgets[-1], "packed"), "packed",
+                  within=setup.isfinite_check, budget=budgets[-1])
         if "oldoptim" not in skip:  # Megatron's per-tensor loops for the grad norm and the clipping
             timed(f"rlfw step packed {budgets[-1]}, Megatron's optimizer loops", rlfw(budgets[-1], "packed"),
                   "packed", within=setup.megatron_fallbacks, budget=budgets[-1])

@@ -88,9 +88,11 @@ def megatron_fallbacks():
 @contextlib.contextmanager
 def fusions_off(trainer):
     """``trainer`` on plain PyTorch math: Megatron's unfused SwiGLU and RoPE, DDP's separate addition of each weight
-    gradient, and the chunked head's element-wise work eager (``rlfw.megatron.head``'s CPU path); all set back after.
-    Megatron reads the config at every forward; the linear layers keep their own accumulation switch."""
+    gradient, the chunked head's element-wise work eager (``rlfw.megatron.head``'s CPU path) and torch's RMSNorm;
+    all set back after. Megatron reads the config at every forward; the linear layers keep their own accumulation
+    switch."""
     from rlfw.megatron import head
+    from rlfw.megatron.norm import compile_norms
 
     config = trainer.config
     saved = config.bias_activation_fusion, config.apply_rope_fusion, head._chunk_stats, head._chunk_grad
@@ -99,9 +101,43 @@ def fusions_off(trainer):
     head._chunk_stats, head._chunk_grad = head._chunk_stats.__wrapped__, head._chunk_grad.__wrapped__
     for m in linear:
         m.gradient_accumulation_fusion = False
+    compiled_norms = compile_norms(trainer.model, compiled=False)
     try:
         yield
     finally:
         config.bias_activation_fusion, config.apply_rope_fusion, head._chunk_stats, head._chunk_grad = saved
         for m in linear:
             m.gradient_accumulation_fusion = True
+        if compiled_norms:
+            compile_norms(trainer.model)
+
+
+@contextlib.contextmanager
+def torch_norms(trainer):
+    """torch's RMSNorm kernels (the local spec's own) where ``rlfw.megatron.norm`` put compiled ones; set back
+    after."""
+    from rlfw.megatron.norm import compile_norms
+
+    swapped = compile_norms(trainer.model, compiled=False)
+    try:
+        yield
+    finally:
+        if swapped:
+            compile_norms(trainer.model)
+
+
+@contextlib.contextmanager
+def isfinite_check():
+    """The finite check as it was before it took each buffer's largest magnitude: ``torch.isfinite`` on chunks of
+    64M elements (a copy and three boolean masks per chunk)."""
+    from rlfw.megatron import policy
+
+    def chunked(tensors, chunk=1 << 26):
+        checks = [torch.isfinite(part).all() for t in tensors for part in t.reshape(-1).split(chunk)]
+        return bool(torch.stack(checks).all()) if checks else True
+
+    saved, policy.all_finite = policy.all_finite, chunked
+    try:
+        yield
+    finally:
+        policy.all_finite = saved
