@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.gpu import attribution, checks, head, setup, steps
+from bench.gpu import attribution, checks, head, norm, setup, steps
 from bench.gpu.data import packed_lengths, rollout_batch
 from bench.gpu.model import QWEN2_1P5B, TINY, matmul_rate, matmul_weights
 from bench.gpu.report import Results, log
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="8192,16384", help="larger token budgets per micro-batch to time")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", default="",
-                        help="comma-separated: check,head,before,variants (unfused: just its SwiGLU row; rope, "
+                        help="comma-separated: check,head,normalone,before,variants (unfused: just its SwiGLU row; rope, "
                              "wgrad, oldhead, oldoptim, norm, oldfinite: just their rows of the code before),bare,"
                              "profile,recompute")
     parser.add_argument("--head-tokens", default="8192,16384,32768,65536", help="token counts of the head's own rows")
@@ -66,6 +66,9 @@ def main() -> None:
                                 device):
             log(f"head: {json.dumps(results.record(**row))}")
         setup.free()
+    if "normalone" not in skip and not dry:
+        for row in norm.measure([4096, 16384], shape.hidden_size, device):
+            log(f"norm: {json.dumps(results.record(**row))}")
 
     rng = random.Random(0)
     lengths = {"packed": packed_lengths(rng, rows, seq, lo=max(16, seq // 32), hi=seq // 2), "single": [seq] * rows}
@@ -141,23 +144,25 @@ def main() -> None:
         config.recompute_granularity = config.recompute_method = config.recompute_num_layers = None
     # Bare Megatron on the same rows, prebuilt on the device.
     setup.use_path(trainer, True)
-    if "bare" not in skip:
-        for budget in (budgets[0], budgets[-1]):
+    if "bare" not in skip:  # as a user gets it (no rlfw kernel), and once with rlfw's kernels under it
+        for budget, within in ((budgets[0], True), (budgets[-1], True), (budgets[-1], False)):
             rows_on_device = steps.device_rows(batches["packed"], budget, device)
-            timed(f"bare Megatron step packed {budget}", lambda r=rows_on_device: steps.bare_step(trainer, r, device),
-                  "packed", budget=budget)
+            timed(f"bare Megatron step packed {budget}" + ("" if within else ", rlfw's kernels"),
+                  lambda r=rows_on_device: steps.bare_step(trainer, r, device), "packed",
+                  within=(lambda: setup.as_shipped(trainer)) if within else contextlib.nullcontext, budget=budget)
             del rows_on_device
     if "profile" not in skip:
         out = Path(args.out)
         best = budgets[-1]
         profiled = [("rlfw", rlfw(best, "packed"))]
-        if "bare" not in skip:  # its materialised fp32 logits need more than an 80 GB card at budget 16384
+        if "bare" not in skip:  # as a user gets it
             best_rows = steps.device_rows(batches["packed"], best, device)
             profiled.append(("bare", lambda: steps.bare_step(trainer, best_rows, device)))
         for name, fn in profiled:
             try:
-                fn()
-                row = attribution.attribute(fn, device, out / f"profile_{name}_{best}.txt")
+                with setup.as_shipped(trainer) if name == "bare" else contextlib.nullcontext():
+                    fn()
+                    row = attribution.attribute(fn, device, out / f"profile_{name}_{best}.txt")
                 results.record(kind="profile", name=f"{name} step packed {best}", **row)
                 log(f"profile {name}: {row}")
             except Exception as exc:  # noqa: BLE001
@@ -184,9 +189,10 @@ def main() -> None:
             print(r["kind"], ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in r.items() if k != "kind"))
     print(results.table())
-    head_rows = [r for r in results.rows if r["kind"] == "head"]
-    if head_rows:
-        print(head.table(head_rows))
+    for kind, module in (("head", head), ("norm", norm)):
+        rows_of_kind = [r for r in results.rows if r["kind"] == kind]
+        if rows_of_kind:
+            print(module.table(rows_of_kind))
     results.write_summary()
     dist.destroy_process_group()
 

@@ -141,3 +141,25 @@ def isfinite_check():
         yield
     finally:
         policy.all_finite = saved
+
+
+@contextlib.contextmanager
+def as_shipped(trainer):
+    """``trainer``'s model as megatron-core runs it for a user without Transformer Engine or Apex, for the bare
+    Megatron rows: none of rlfw's kernels reached through Megatron's hooks (its unfused RoPE, DDP's separate fp32
+    addition of the weight gradients, torch's RMSNorm, its per-tensor grad-norm loops) and the foreach Adam it
+    builds. Megatron's own fused SwiGLU (a config switch of its own) stays on. All set back after."""
+    config = trainer.config
+    linear = [m for m in trainer.model.modules() if getattr(m, "gradient_accumulation_fusion", False)]
+    saved_rope, config.apply_rope_fusion = config.apply_rope_fusion, False
+    for m in linear:
+        m.gradient_accumulation_fusion = False
+    use_path(trainer, new=False)
+    try:
+        with torch_norms(trainer), megatron_fallbacks():
+            yield
+    finally:
+        config.apply_rope_fusion = saved_rope
+        for m in linear:
+            m.gradient_accumulation_fusion = True
+        use_path(trainer, new=True)

@@ -56,9 +56,10 @@ def device_rows(batch, budget: int, device) -> list[MicroBatch]:
 
 def bare_step(trainer, rows: list[MicroBatch], device) -> dict:
     """Megatron's schedule and its own LM loss on ``rows`` (prebuilt on the device; the same ``PackedRow`` offsets
-    reach the attention), Megatron DDP's grad sync and Megatron's optimizer step (the same fused Adam): no rlfw
-    packing, loss or finite check. Megatron's own output layer and cross-entropy: the [tokens, vocab] logits, as a
-    user of Megatron gets them (rlfw's chunked head is switched off for this step and back on after it)."""
+    reach the attention), Megatron DDP's grad sync and Megatron's optimizer step: no rlfw packing, loss or finite
+    check. Megatron's own output layer and cross-entropy: the [tokens, vocab] logits, as a user of Megatron gets
+    them (rlfw's chunked head is switched off for this step and back on after it). The kernels under it are the
+    model's as it stands; ``setup.as_shipped`` takes rlfw's out for the "as a user gets it" rows."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rlfw.megatron.attention import packed_row
