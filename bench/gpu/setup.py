@@ -86,30 +86,43 @@ def megatron_fallbacks():
 
 
 @contextlib.contextmanager
-def fusions_off(trainer):
-    """``trainer`` on plain PyTorch math: Megatron's unfused SwiGLU and RoPE, DDP's separate addition of each weight
-    gradient, the chunked head's element-wise work eager (``rlfw.megatron.head``'s CPU path) and torch's RMSNorm;
-    all set back after. Megatron reads the config at every forward; the linear layers keep their own accumulation
-    switch."""
-    from rlfw.megatron import head
+def layer_kernels_off(trainer):
+    """The layers without rlfw's kernels reached through Megatron's hooks: Megatron's unfused RoPE, DDP's separate
+    addition of each weight gradient, torch's RMSNorm; all set back after. Megatron reads the config at every
+    forward; the linear layers keep their own accumulation switch."""
     from rlfw.megatron.norm import compile_norms
 
     config = trainer.config
-    saved = config.bias_activation_fusion, config.apply_rope_fusion, head._chunk_stats, head._chunk_grad
     linear = [m for m in trainer.model.modules() if getattr(m, "gradient_accumulation_fusion", False)]
-    config.bias_activation_fusion = config.apply_rope_fusion = False
-    head._chunk_stats, head._chunk_grad = head._chunk_stats.__wrapped__, head._chunk_grad.__wrapped__
+    saved_rope, config.apply_rope_fusion = config.apply_rope_fusion, False
     for m in linear:
         m.gradient_accumulation_fusion = False
     compiled_norms = compile_norms(trainer.model, compiled=False)
     try:
         yield
     finally:
-        config.bias_activation_fusion, config.apply_rope_fusion, head._chunk_stats, head._chunk_grad = saved
+        config.apply_rope_fusion = saved_rope
         for m in linear:
             m.gradient_accumulation_fusion = True
         if compiled_norms:
             compile_norms(trainer.model)
+
+
+@contextlib.contextmanager
+def fusions_off(trainer):
+    """``trainer`` on plain PyTorch math: ``layer_kernels_off``, Megatron's unfused SwiGLU, and the chunked head's
+    element-wise work eager (``rlfw.megatron.head``'s CPU path); all set back after."""
+    from rlfw.megatron import head
+
+    config = trainer.config
+    saved = config.bias_activation_fusion, head._chunk_stats, head._chunk_grad
+    config.bias_activation_fusion = False
+    head._chunk_stats, head._chunk_grad = head._chunk_stats.__wrapped__, head._chunk_grad.__wrapped__
+    try:
+        with layer_kernels_off(trainer):
+            yield
+    finally:
+        config.bias_activation_fusion, head._chunk_stats, head._chunk_grad = saved
 
 
 @contextlib.contextmanager
@@ -146,20 +159,11 @@ def isfinite_check():
 @contextlib.contextmanager
 def as_shipped(trainer):
     """``trainer``'s model as megatron-core runs it for a user without Transformer Engine or Apex, for the bare
-    Megatron rows: none of rlfw's kernels reached through Megatron's hooks (its unfused RoPE, DDP's separate fp32
-    addition of the weight gradients, torch's RMSNorm, its per-tensor grad-norm loops) and the foreach Adam it
-    builds. Megatron's own fused SwiGLU (a config switch of its own) stays on. All set back after."""
-    config = trainer.config
-    linear = [m for m in trainer.model.modules() if getattr(m, "gradient_accumulation_fusion", False)]
-    saved_rope, config.apply_rope_fusion = config.apply_rope_fusion, False
-    for m in linear:
-        m.gradient_accumulation_fusion = False
+    Megatron rows: ``layer_kernels_off``, Megatron's per-tensor grad-norm loops and the foreach Adam it builds.
+    Megatron's own fused SwiGLU (a config switch of its own) stays on. All set back after."""
     use_path(trainer, new=False)
     try:
-        with torch_norms(trainer), megatron_fallbacks():
+        with layer_kernels_off(trainer), megatron_fallbacks():
             yield
     finally:
-        config.apply_rope_fusion = saved_rope
-        for m in linear:
-            m.gradient_accumulation_fusion = True
         use_path(trainer, new=True)
