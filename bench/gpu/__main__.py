@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.gpu import attribution, checks, head, norm, setup, steps
+from bench.gpu import attribution, checks, head, setup, steps
 from bench.gpu.data import packed_lengths, rollout_batch
 from bench.gpu.model import QWEN2_1P5B, TINY, matmul_rate, matmul_weights
 from bench.gpu.report import Results, log
@@ -33,8 +33,8 @@ def main() -> None:
     parser.add_argument("--budgets", default="8192,16384", help="larger token budgets per micro-batch to time")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", default="",
-                        help="comma-separated: check,head,normalone,before,variants (unfused: just its SwiGLU row; rope, "
-                             "wgrad, oldhead, oldoptim, norm, oldfinite: just their rows of the code before),bare,"
+                        help="comma-separated: check,head,before,variants (unfused: just its SwiGLU row; rope, "
+                             "wgrad, oldhead, oldoptim, oldfinite: just their rows of the code before),bare,"
                              "profile,recompute")
     parser.add_argument("--head-tokens", default="8192,16384,32768,65536", help="token counts of the head's own rows")
     args = parser.parse_args()
@@ -66,9 +66,6 @@ def main() -> None:
                                 device):
             log(f"head: {json.dumps(results.record(**row))}")
         setup.free()
-    if "normalone" not in skip and not dry:
-        for row in norm.measure([4096, 16384], shape.hidden_size, device):
-            log(f"norm: {json.dumps(results.record(**row))}")
 
     rng = random.Random(0)
     lengths = {"packed": packed_lengths(rng, rows, seq, lo=max(16, seq // 32), hi=seq // 2), "single": [seq] * rows}
@@ -129,9 +126,6 @@ def main() -> None:
         if "oldhead" not in skip:  # the head's kernels compiled with every size symbolic, bf16 weight-grad products
             timed(f"rlfw step packed {budgets[-1]}, head compiled as before", rlfw(budgets[-1], "packed"), "packed",
                   within=head.as_before, budget=budgets[-1])
-        if "norm" not in skip:  # torch's RMSNorm kernels
-            timed(f"rlfw step packed {budgets[-1]}, torch's RMSNorm", rlfw(budgets[-1], "packed"), "packed",
-                  within=lambda: setup.torch_norms(trainer), budget=budgets[-1])
         if "oldfinite" not in skip:  # the finite check as torch.isfinite on chunks
             timed(f"rlfw step packed {budgets[-1]}, isfinite check (before)", rlfw(budgets[-1], "packed"), "packed",
                   within=setup.isfinite_check, budget=budgets[-1])
@@ -189,10 +183,9 @@ def main() -> None:
             print(r["kind"], ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in r.items() if k != "kind"))
     print(results.table())
-    for kind, module in (("head", head), ("norm", norm)):
-        rows_of_kind = [r for r in results.rows if r["kind"] == kind]
-        if rows_of_kind:
-            print(module.table(rows_of_kind))
+    head_rows = [r for r in results.rows if r["kind"] == "head"]
+    if head_rows:
+        print(head.table(head_rows))
     results.write_summary()
     dist.destroy_process_group()
 

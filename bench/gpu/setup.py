@@ -87,25 +87,20 @@ def megatron_fallbacks():
 
 @contextlib.contextmanager
 def layer_kernels_off(trainer):
-    """The layers without rlfw's kernels reached through Megatron's hooks: Megatron's unfused RoPE, DDP's separate
-    addition of each weight gradient, torch's RMSNorm; all set back after. Megatron reads the config at every
-    forward; the linear layers keep their own accumulation switch."""
-    from rlfw.megatron.norm import compile_norms
-
+    """The layers without rlfw's kernels reached through Megatron's hooks: Megatron's unfused RoPE and DDP's
+    separate addition of each weight gradient; set back after. Megatron reads the config at every forward; the
+    linear layers keep their own accumulation switch."""
     config = trainer.config
     linear = [m for m in trainer.model.modules() if getattr(m, "gradient_accumulation_fusion", False)]
     saved_rope, config.apply_rope_fusion = config.apply_rope_fusion, False
     for m in linear:
         m.gradient_accumulation_fusion = False
-    compiled_norms = compile_norms(trainer.model, compiled=False)
     try:
         yield
     finally:
         config.apply_rope_fusion = saved_rope
         for m in linear:
             m.gradient_accumulation_fusion = True
-        if compiled_norms:
-            compile_norms(trainer.model)
 
 
 @contextlib.contextmanager
@@ -123,20 +118,6 @@ def fusions_off(trainer):
             yield
     finally:
         config.bias_activation_fusion, head._chunk_stats, head._chunk_grad = saved
-
-
-@contextlib.contextmanager
-def torch_norms(trainer):
-    """torch's RMSNorm kernels (the local spec's own) where ``rlfw.megatron.norm`` put compiled ones; set back
-    after."""
-    from rlfw.megatron.norm import compile_norms
-
-    swapped = compile_norms(trainer.model, compiled=False)
-    try:
-        yield
-    finally:
-        if swapped:
-            compile_norms(trainer.model)
 
 
 @contextlib.contextmanager
@@ -159,7 +140,8 @@ def isfinite_check():
 @contextlib.contextmanager
 def as_shipped(trainer):
     """``trainer``'s model as megatron-core runs it for a user without Transformer Engine or Apex, for the bare
-    Megatron rows: ``layer_kernels_off``, Megatron's per-tensor grad-norm loops and the foreach Adam it builds.
+    Megatron rows: ``layer_kernels_off``, Megatron's per-tensor grad-norm loops and the foreach Adam it builds (its
+    norms are torch's RMSNorm either way).
     Megatron's own fused SwiGLU (a config switch of its own) stays on. All set back after."""
     use_path(trainer, new=False)
     try:

@@ -4,8 +4,7 @@ Three switches cover the Hugging Face families rlfw converts one-to-one (see ``r
 ``qkv_bias`` (Qwen2), ``qk_layernorm`` (Qwen3) and ``tie_word_embeddings``; with none of them it is
 ``LlamaForCausalLM``. The Megatron *local* layer spec is used
 on every device; on CUDA its core attention is ``rlfw.megatron.attention.SDPAttention``
-(PyTorch's fused kernels) unless ``core_attention="megatron"`` asks for Megatron's unfused one, and its RMSNorms
-are compiled kernels (``rlfw.megatron.norm``).
+(PyTorch's fused kernels) unless ``core_attention="megatron"`` asks for Megatron's unfused one.
 """
 
 from __future__ import annotations
@@ -146,8 +145,7 @@ def build_gpt(shape: ModelShape, config, core_attention: str = "auto", post_proc
               device: torch.device | None = None) -> torch.nn.Module:
     """A GPTModel for this pipeline stage (parallel_state must be initialised); ``post_process=False`` leaves out
     the final norm and output layer on every stage (the critic's trunk, ``rlfw.megatron.critic``); ``device``: where
-    it will run (None: CUDA if this process sees a GPU), which ``core_attention="auto"`` follows (``layer_spec``),
-    and on CUDA its RMSNorms are compiled (``rlfw.megatron.norm``)."""
+    it will run, which ``core_attention="auto"`` follows (``layer_spec``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -172,10 +170,6 @@ def build_gpt(shape: ModelShape, config, core_attention: str = "auto", post_proc
         for module in model.modules():
             if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
                 module.to(dtype=config.params_dtype)
-    if device.type == "cuda" if device is not None else torch.cuda.is_available():
-        from rlfw.megatron.norm import compile_norms
-
-        compile_norms(model)  # one compiled kernel per norm and direction (rlfw.megatron.norm)
     return model
 
 
