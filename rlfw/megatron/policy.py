@@ -211,7 +211,8 @@ def all_finite(tensors: List[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite. It takes each tensor's largest magnitude (the inf-norm): one
     read of the gradients with no temporary, where ``torch.isfinite`` builds a copy (``abs``) and three boolean
     masks (11.6 GiB above a 1.8B-parameter model's fp32 grads when it took them whole; in chunks, 6.7 ms more
-    of an H100's optimizer phase than this; BENCHMARKS.md). A NaN or inf makes the largest magnitude non-finite; a finite one never overflows it."""
+    of an H100's optimizer phase than this; BENCHMARKS.md). A NaN or inf makes the largest magnitude non-finite;
+    a finite one never overflows it."""
     peaks = [torch.linalg.vector_norm(t, ord=float("inf")).float() for t in tensors if t.numel()]
     return bool(torch.isfinite(torch.stack(peaks)).all()) if peaks else True  # one host sync for all the tensors
 
