@@ -140,8 +140,7 @@ def isfinite_check():
 @contextlib.contextmanager
 def as_shipped(trainer):
     """``trainer``'s model as megatron-core runs it for a user without Transformer Engine or Apex, for the bare
-    Megatron rows: ``layer_kernels_off``, Megatron's per-tensor grad-norm loops and the foreach Adam it builds (its
-    norms are torch's RMSNorm either way).
+    Megatron rows: ``layer_kernels_off``, Megatron's per-tensor grad-norm loops and the foreach Adam it builds.
     Megatron's own fused SwiGLU (a config switch of its own) stays on. All set back after."""
     use_path(trainer, new=False)
     try:
