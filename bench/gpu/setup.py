@@ -142,9 +142,11 @@ def as_shipped(trainer):
     """``trainer``'s model as megatron-core runs it for a user without Transformer Engine or Apex, for the bare
     Megatron rows: ``layer_kernels_off``, Megatron's per-tensor grad-norm loops and the foreach Adam it builds.
     Megatron's own fused SwiGLU (a config switch of its own) stays on. All set back after."""
+    dense_mask = trainer.dense_mask  # use_path sets it too; the bare step does not read it
     use_path(trainer, new=False)
     try:
         with layer_kernels_off(trainer), megatron_fallbacks():
             yield
     finally:
         use_path(trainer, new=True)
+        trainer.dense_mask = dense_mask
