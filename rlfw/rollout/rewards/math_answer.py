@@ -18,9 +18,9 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import sys
-import queue
 import threading
 from concurrent.futures import Future
 
