@@ -4,12 +4,13 @@
     python3 bench/bench_cells_vs_classic.py --gpu [--steps 12]     # on one CUDA device
 
 Both modes train the same model on the same rollouts (same seed), 2 replicas each. The train phase (log-probs
-excluded) is compared: median over steps after a warm-up.
+excluded) is compared: median over steps after a warm-up. The cells run once per cross-cell transport
+(``--transports``, ft.host_transport): shared memory (the default) and Gloo's TCP ring.
 
 ``--gpu``: one GPU, so classic is one replica (DP=1) with the whole batch, and cells are two one-rank cells sharing
-the device (``cluster.gpus_per_worker=0.5``), each its own NCCL world, their gradients summed across cells through
-torchft's Gloo group (staged on the host: NCCL cannot join two processes on one GPU). The all-reduce + vote column
-is that transport's share of a step.
+the device (``cluster.gpus_per_worker=0.5``), each its own NCCL world, their gradients summed across cells on the
+host (NCCL cannot join two processes on one GPU): through shared memory or torchft's Gloo group. The all-reduce +
+vote column is that transport's share of a step.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--gpu", action="store_true", help="one CUDA device: DP=1 classic vs 2 cells sharing it")
+    parser.add_argument("--transports", nargs="+", default=["shm", "gloo"], choices=["shm", "gloo"],
+                        help="the cells' ft.host_transport: one cells run each, beside the one classic run")
     args = parser.parse_args()
     results, out = [], {}
     models = GPU_MODELS if args.gpu else MODELS
@@ -51,27 +54,32 @@ def main() -> None:
         if args.gpu:
             common.append("cluster.device=cuda")
             classic_dp, cells_dp = ["dp=classic", "dp.size=1"], [*cells_dp, "cluster.gpus_per_worker=0.5"]
-        classic = run_training(f"speed_{model.replace(' ', '_')}_classic", [*classic_dp, *common])["rows"]
-        cells = run_training(f"speed_{model.replace(' ', '_')}_cells", [*cells_dp, *common])["rows"]
-        t_classic, t_cells = median(classic, "time/train"), median(cells, "time/train")
-        row = {
-            "model": model,
-            "classic train s": t_classic,
-            "cells train s": t_cells,
-            "ratio": t_cells / t_classic,
-            "cells quorum s": median(cells, "train/time/quorum"),
-            "cells fwd/bwd s": median(cells, "train/time/forward_backward"),
-            "cells allreduce+vote s": median(cells, "train/time/reduce_and_vote"),
-            "classic fwd/bwd s": median(classic, "train/time/forward_backward"),
-            "classic allreduce s": median(classic, "train/time/reduce_and_vote"),
-            "tokens/step": median(cells, "train/num_tokens"),
-            "same losses": all(abs(a["loss"] - b["loss"]) <= 1e-6 * max(1.0, abs(a["loss"]))
-                               for a, b in zip(classic, cells)),
-        }
-        if args.gpu:  # bf16, and another summation order: equal up to rounding, not bitwise
-            row["max loss diff"] = max(abs(a["loss"] - b["loss"]) for a, b in zip(classic, cells))
-        results.append(list(row.values()))
-        out[model] = row
+        name = model.replace(" ", "_")
+        classic = run_training(f"speed_{name}_classic", [*classic_dp, *common])["rows"]
+        t_classic = median(classic, "time/train")
+        for transport in args.transports:
+            cells = run_training(f"speed_{name}_cells_{transport}",
+                                 [*cells_dp, *common, f"ft.host_transport={transport}"])["rows"]
+            t_cells = median(cells, "time/train")
+            row = {
+                "model": model,
+                "cells' transport": transport,
+                "classic train s": t_classic,
+                "cells train s": t_cells,
+                "ratio": t_cells / t_classic,
+                "cells quorum s": median(cells, "train/time/quorum"),
+                "cells fwd/bwd s": median(cells, "train/time/forward_backward"),
+                "cells allreduce+vote s": median(cells, "train/time/reduce_and_vote"),
+                "classic fwd/bwd s": median(classic, "train/time/forward_backward"),
+                "classic allreduce s": median(classic, "train/time/reduce_and_vote"),
+                "tokens/step": median(cells, "train/num_tokens"),
+                "same losses": all(abs(a["loss"] - b["loss"]) <= 1e-6 * max(1.0, abs(a["loss"]))
+                                   for a, b in zip(classic, cells)),
+            }
+            if args.gpu:  # bf16, and another summation order: equal up to rounding, not bitwise
+                row["max loss diff"] = max(abs(a["loss"] - b["loss"]) for a, b in zip(classic, cells))
+            results.append(list(row.values()))
+            out[f"{model} {transport}"] = row
     print(table(list(next(iter(out.values()))), results))
     (OUT / ("cells_vs_classic_gpu.json" if args.gpu else "cells_vs_classic.json")).write_text(json.dumps(out, indent=1))
 

@@ -188,6 +188,10 @@ class FTConfig:
     first_call_timeout_s: float = 1800.0
     quorum_timeout_s: float = 150.0  # a Manager's wait for its quorum (beyond the call's deadline, for its peers)
     collective_timeout_s: float = 30.0  # one all-reduce, and the cell's own process group
+    # Cells that meet over Gloo (CPU cells, cells sharing a GPU) sum their gradients through: shm (shared memory,
+    # when every cell of the quorum is on this host and /dev/shm holds the gradients; else Gloo, saying why in the
+    # log: rlfw/ft/host_shared.py) | gloo (Gloo's TCP ring always). Cells with a GPU each use NCCL either way.
+    host_transport: str = "shm"
     heal_min_bandwidth_mb_s: float = 50.0  # a heal may take collective_timeout_s + state bytes at this rate
     writer_timeout_s: float = 600.0  # one weight export or checkpoint save by the writer; then the next cell writes
     replace_failed: bool = True

@@ -35,6 +35,7 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
     """Raise ConfigError naming the first key whose value cannot work."""
     _check_architecture_set(cfg.model)
     _choice("dp.mode", cfg.dp.mode, {"classic", "cells"})
+    _choice("ft.host_transport", cfg.ft.host_transport, {"shm", "gloo"})
     _positive("dp.size", cfg.dp.size)
     _positive("dp.num_cells", cfg.dp.num_cells)
     _positive("dp.tp", cfg.dp.tp)

@@ -52,7 +52,7 @@ class CellSync:
             device=worker.trainer.device, collective_timeout_s=cfg.ft.collective_timeout_s,
             quorum_timeout_s=cfg.ft.quorum_timeout_s,
             heal_timeout_s=heal_deadline_s(heal_state_bytes(worker.trainer.model.module), cfg.ft),
-            shared_device=cfg.cluster.gpus_per_worker < 1,
+            shared_device=cfg.cluster.gpus_per_worker < 1, host_transport=cfg.ft.host_transport,
         )
         self.membership = MembershipView(membership_address)
         self.heal_time = None
@@ -140,7 +140,8 @@ class CellSync:
 
     def reduce_and_commit(self, part):
         works = [self.manager.allreduce(g, reduce_op=ReduceOp.SUM) for g in self.worker.trainer.grad_buffers()]
-        self.worker.faults.maybe_fault("during_allreduce", part.meta["step"])  # peers are inside it
+        # Its peers are inside the all-reduce (Gloo, NCCL), or the agreement's (shared memory returns it done).
+        self.worker.faults.maybe_fault("during_allreduce", part.meta["step"])
         for work in works:
             work.wait()
         try:

@@ -18,6 +18,8 @@ from torchft import Manager, ProcessGroupGloo
 from torchft.checkpointing.pg_transport import PGTransport
 from torchft.process_group import ProcessGroupNCCL
 
+from rlfw.ft.host_shared import ProcessGroupHostShared
+
 
 @contextlib.contextmanager
 def _manager_server_bound_to(host: str):
@@ -51,14 +53,22 @@ def make_manager(
     quorum_timeout_s: float,
     heal_timeout_s: float,
     shared_device: bool = False,
+    host_transport: str = "shm",
 ) -> Manager:
     """``collective_timeout_s`` bounds each collective (the process group's own timeout); ``heal_timeout_s`` the
-    Manager's operations, the heal's state transfer among them, which takes as long as the state is large."""
+    Manager's operations, the heal's state transfer among them, which takes as long as the state is large.
+    ``host_transport`` is ft.host_transport: how cells that meet over Gloo all-reduce."""
     timeout = timedelta(seconds=collective_timeout_s)
     # NCCL cannot join two processes on one GPU: cells sharing a device meet over Gloo (CUDA tensors go through host
-    # memory), and heals stage the state on the host.
+    # memory), and heals stage the state on the host. Their all-reduces go through shared memory where the cells
+    # share a host (rlfw/ft/host_shared.py).
     gloo = device.type == "cpu" or shared_device
-    pg = ProcessGroupGloo(timeout=timeout) if gloo else ProcessGroupNCCL(timeout=timeout)
+    if not gloo:
+        pg = ProcessGroupNCCL(timeout=timeout)
+    elif host_transport == "shm":
+        pg = ProcessGroupHostShared(timeout=timeout)
+    else:
+        pg = ProcessGroupGloo(timeout=timeout)
     transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu") if gloo else device)
     with _manager_server_bound_to(host):
         return Manager(

@@ -89,6 +89,7 @@ def test_unknown_group_option():
         ("dp=classic fault.kind=kill_once fault.phase=heal_send", "fault.phase"),
         ("dp=classic fault.kind=kill_once fault.cell=2", "fault.cell"),
         ("dp.num_cells=2 ft.min_cells=3", "ft.min_cells"),
+        ("ft.host_transport=tcp", "ft.host_transport"),
     ],
 )
 def test_bad_values_name_the_key(override, key):

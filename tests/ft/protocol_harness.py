@@ -221,6 +221,12 @@ class Cell:
     def listening(self) -> List[tuple]:
         return sorted(listening())
 
+    def transport(self) -> Dict[str, Any]:
+        """What the cross-cell all-reduces went over (ft.host_transport)."""
+        pg = self.sync.manager._pg
+        return {"backend": pg.getBackendName(), "shared_allreduces": getattr(pg, "shared_allreduces", 0),
+                "fallback_reason": getattr(pg, "fallback_reason", None)}
+
 
 class RecordingSync:
     """CellSync as train_call sees it, recording each attempt on the way (the harness's only addition)."""

@@ -54,20 +54,26 @@ def steady(tmp_path_factory):
     with Cluster(tmp_path_factory.mktemp("steady")) as cluster:
         cells = cluster.spawn(0, 1)
         steps = [cluster.train(cells, step) for step in range(3)]
-        return SimpleNamespace(probes=[c.probe for c in cells], steps=steps, listening=cluster.call(cells, "listening"))
+        return SimpleNamespace(probes=[c.probe for c in cells], steps=steps, listening=cluster.call(cells, "listening"),
+                               transport=cluster.call(cells, "transport"))
 
 
-@pytest.fixture(scope="module")
-def kill_and_heal(tmp_path_factory):
-    """Cell 1 is SIGKILLed inside step 1's gradient all-reduce; a replacement (incarnation 1) joins for step 2."""
+@pytest.fixture(scope="module", params=["shm", "gloo"])
+def kill_and_heal(tmp_path_factory, request):
+    """Cell 1 is SIGKILLed inside step 1's gradient all-reduce (Gloo), or right after it, with its peer in the
+    agreement's (shared memory: its all-reduce returns done); a replacement (incarnation 1) joins for step 2. Once
+    per ft.host_transport."""
     run_dir = tmp_path_factory.mktemp("kill_and_heal")
-    with Cluster(run_dir, dict(kind="kill_once", cell=1, step=1, phase="during_allreduce")) as cluster:
+    with Cluster(run_dir, dict(kind="kill_once", cell=1, step=1, phase="during_allreduce"),
+                 host_transport=request.param) as cluster:
         first = cluster.spawn(0, 1)
         steps = [cluster.train(first, 0), cluster.train(first, 1)]
         exitcode = first[1].exitcode
         replacement = cluster.spawn(1, incarnation=1)
         steps.append(cluster.train(first[:1] + replacement, 2))
-        return SimpleNamespace(steps=steps, exitcode=exitcode, run_dir=run_dir)
+        transport = cluster.call(first[:1] + replacement, "transport")
+        return SimpleNamespace(steps=steps, exitcode=exitcode, run_dir=run_dir, transport=transport,
+                               host_transport=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +151,22 @@ def test_two_cells_commit_every_step_and_match_a_single_process_sum(steady):
     assert_same_state(final[0], final[1], keys=("weights", "optimizer", "cursor"))
     assert_same_state(final[0], ref[-1], keys=("weights", "optimizer"))
     assert final[0]["cursor"] == {"rl_step": 2, "minibatch_index": 0, "optimizer_steps": 3}
+
+
+def test_cells_of_one_host_all_reduce_through_shared_memory_by_default(steady):
+    """Every all-reduce of the steady run (per step: the gradient buffer and the agreement vector's) went through
+    shared memory, the same count in both cells."""
+    assert [t["backend"] for t in steady.transport] == ["rlfw-host-shared"] * 2
+    assert [t["fallback_reason"] for t in steady.transport] == [None, None]
+    counts = {t["shared_allreduces"] for t in steady.transport}
+    assert len(counts) == 1 and counts.pop() >= 2 * len(steady.steps)
+
+
+def test_the_kill_and_heal_run_used_the_transport_it_was_given(kill_and_heal):
+    backends = {t["backend"] for t in kill_and_heal.transport}
+    assert backends == {"rlfw-host-shared" if kill_and_heal.host_transport == "shm" else "torchft-gloo"}
+    if kill_and_heal.host_transport == "shm":  # the replacement's all-reduces of step 2 went through it as well
+        assert all(t["shared_allreduces"] > 0 for t in kill_and_heal.transport)
 
 
 def test_a_killed_cells_step_is_retried_and_committed_by_the_survivor_alone(kill_and_heal):
