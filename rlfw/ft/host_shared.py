@@ -67,12 +67,13 @@ def _pid_namespace() -> int:
 
 
 def host_key(root: str) -> str:
-    """What members must share to meet through ``root``: the running kernel and the very filesystem behind it
-    (two containers on one machine usually have /dev/shm mounts of their own)."""
+    """What members must share to meet through ``root``: the running kernel, the very filesystem behind it (two
+    containers on one machine usually have /dev/shm mounts of their own), and the network namespace, which is
+    where rlfw draws a node's boundary (the multi-node tests run their nodes as namespaces of one machine)."""
     with open("/proc/sys/kernel/random/boot_id") as f:
         boot = f.read().strip()
     st = os.stat(root)
-    return f"{boot}:{st.st_dev}:{st.st_ino}"
+    return f"{boot}:{st.st_dev}:{st.st_ino}:{os.stat('/proc/self/ns/net').st_ino}"
 
 
 def process_alive(pid: int) -> bool:
@@ -182,7 +183,8 @@ class ProcessGroupHostShared(ProcessGroupGloo):
         if mine.startswith("unusable"):
             self.fallback_reason = f"{self.root} is {mine}"
         elif any(key != mine for key, _, _ in members):
-            self.fallback_reason = f"the quorum's members do not share {self.root} (other hosts or containers)"
+            self.fallback_reason = (f"the quorum's members do not share {self.root} "
+                                    "(other hosts, containers or network namespaces)")
         else:
             self.fallback_reason = None
             remove_orphans(self.root)

@@ -101,8 +101,8 @@ class Members:
         self.procs, self.conns = [], []
         for rank in range(world):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=member, args=(rank, world, self.store.port, roots[rank], quorum, plans[rank], theirs),
-                            daemon=True)
+            args = (rank, world, self.store.port, roots[rank], quorum, plans[rank], theirs)
+            p = ctx.Process(target=member, args=args, daemon=True)
             p.start()
             self.procs.append(p)
             self.conns.append(mine)
