@@ -48,6 +48,7 @@ from torchft.work import _DummyWork
 logger = logging.getLogger(__name__)
 
 SHM_ROOT = "/dev/shm"
+DEVICE_CHUNK_BYTES = 64 << 20  # device tensors are summed on the device through a scratch buffer of this size
 _PREFIX = "rlfw-shm"
 _NAME = re.compile(rf"^{_PREFIX}-(\d+)-(\d+)-")  # pid namespace, pid
 _REDUCE = {
@@ -128,11 +129,22 @@ class _Segment:
             os.close(fd)
         self.path, self.bytes = path, torch.frombuffer(self.mm, dtype=torch.uint8)
         self.last_use, self.uses = -1, 0  # this member's own segment: the all-reduce that last wrote it, how often
+        self.page_locked = False
 
     def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         return self.bytes.view(dtype)[:numel]
 
+    def page_lock(self) -> None:
+        """Register the mapping with CUDA, so copies to and from the device run at the bus's rate instead of through
+        the driver's bounce buffers. Only this process's mapping is registered: a peer's death does not touch it.
+        Where the driver refuses, copies stay pageable (slower, still correct)."""
+        if not self.page_locked:
+            err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.bytes.numel(), 0)
+            self.page_locked = int(err) == 0
+
     def close(self) -> None:
+        if self.page_locked:
+            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
         self.bytes = None
         try:
             self.mm.close()
@@ -158,7 +170,7 @@ class ProcessGroupHostShared(ProcessGroupGloo):
         self._seq = 0
         self._own: Dict[int, _Segment] = {}
         self._theirs: Dict[Tuple[int, int], _Segment] = {}
-        self._staging: Dict[Tuple[torch.dtype, int], torch.Tensor] = {}
+        self._staging: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def getBackendName(self) -> str:
         return "rlfw-host-shared"
@@ -258,6 +270,8 @@ class ProcessGroupHostShared(ProcessGroupGloo):
                 return f"gloo {self.root} cannot hold {nbytes} bytes ({free.f_bavail * free.f_frsize} free): {e}"
         elif seg.last_use == n - 1:  # back to back: wait until every member has read the previous one
             self._wait([f"done/{n - 1}/{r}" for r in range(self._size)], n, f"all-reduce {n - 1}'s readers")
+        if t.device.type == "cuda":
+            seg.page_lock()
         seg.view(t.dtype, t.numel()).copy_(t.reshape(-1))
         seg.last_use, seg.uses = n, seg.uses + 1
         return f"shm {t.dtype} {t.numel()} {name}"
@@ -267,13 +281,31 @@ class ProcessGroupHostShared(ProcessGroupGloo):
         if t.numel() == 0:
             return
         nbytes = t.numel() * t.element_size()
-        parts = [self._segment(r, nbytes).view(t.dtype, t.numel()) for r in range(self._size)]
-        out = t.reshape(-1) if t.device.type == "cpu" else self._stage(t)
+        segments = [self._segment(r, nbytes) for r in range(self._size)]
+        parts = [seg.view(t.dtype, t.numel()) for seg in segments]
+        if t.device.type == "cuda":
+            for seg in segments:
+                seg.page_lock()
+            return self._reduce_on_device(t.view(-1), parts, op)
+        out = t.view(-1)
         _REDUCE[op](parts[0], parts[1], out)
         for part in parts[2:]:
             _REDUCE[op](out, part, out)
-        if out.data_ptr() != t.data_ptr():
-            t.copy_(out.view(t.shape))
+
+    def _reduce_on_device(self, t: torch.Tensor, parts: List[torch.Tensor], op: str) -> None:
+        """Device tensors are combined on their device: each part goes up in chunks through one scratch buffer
+        (the host has one thread per cell for a sum; the device has bandwidth to spare), in rank order into ``t``.
+        Member 0's own part is ``t`` already; the others start from part 0."""
+        scratch = self._scratch(t)
+        for lo in range(0, t.numel(), scratch.numel()):
+            hi = min(lo + scratch.numel(), t.numel())
+            acc, buf = t[lo:hi], scratch[: hi - lo]
+            if self._rank != 0:
+                acc.copy_(parts[0][lo:hi])
+            for part in parts[1:]:
+                buf.copy_(part[lo:hi])
+                _REDUCE[op](acc, buf, acc)
+        torch.cuda.current_stream(t.device).synchronize()  # the segments are rewritten once this returns
 
     def _unlink_after_first_use(self, t: torch.Tensor, n: int) -> None:
         """Once every member has read this member's new segment, all of them hold a mapping: the name can go."""
@@ -293,11 +325,12 @@ class ProcessGroupHostShared(ProcessGroupGloo):
             self._theirs[(rank, nbytes)] = _Segment(self._path(rank, nbytes), nbytes, create=False)
         return self._theirs[(rank, nbytes)]
 
-    def _stage(self, t: torch.Tensor) -> torch.Tensor:
-        """A host buffer for the sum of device tensors (pinned, so the copy back to the device runs at full rate)."""
-        key = (t.dtype, t.numel())
-        if key not in self._staging:
-            self._staging[key] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=t.device.type == "cuda")
+    def _scratch(self, t: torch.Tensor) -> torch.Tensor:
+        """The device buffer parts go up through: at most DEVICE_CHUNK_BYTES, not a second gradient buffer."""
+        numel = max(1, min(t.numel(), DEVICE_CHUNK_BYTES // t.element_size()))
+        key = (t.device, t.dtype)
+        if key not in self._staging or self._staging[key].numel() < numel:
+            self._staging[key] = torch.empty(numel, dtype=t.dtype, device=t.device)
         return self._staging[key]
 
     def _forget(self, n: int) -> None:

@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp, TCPStore
 
-from rlfw.ft.host_shared import SHM_ROOT, PeerLostError, ProcessGroupHostShared, process_alive, remove_orphans
+from rlfw.ft.host_shared import (DEVICE_CHUNK_BYTES, SHM_ROOT, PeerLostError, ProcessGroupHostShared, process_alive,
+                                 remove_orphans)
 
 REPLY_TIMEOUT_S = 120.0  # spawn + torch/torchft import of three processes on two loaded cores
 
@@ -70,6 +71,9 @@ def member(rank, world, port, root, quorum, plan, conn):
         elif plan["kind"] == "sizes":
             results = [allreduce(pg, torch.full((n,), float(rank + 1)), ReduceOp.SUM) for n in plan["sizes"]]
             conn.send(("ok", results, pg.shared_allreduces, pg.fallback_reason, None))
+        elif plan["kind"] == "ramp":  # one tensor larger than the device path's chunk
+            t = torch.arange(plan["numel"], dtype=torch.float32, device=plan["device"]) + rank
+            conn.send(("ok", [allreduce(pg, t, ReduceOp.SUM).cpu()], pg.shared_allreduces, pg.fallback_reason, None))
         elif plan["kind"] == "one_then_wait":  # one all-reduce, then the test stops or kills this member
             allreduce(pg, torch.ones(1000), ReduceOp.SUM)
             conn.send(("ready",))
@@ -163,6 +167,20 @@ def test_cells_sharing_a_gpu_get_the_rank_order_reduction_of_their_device_tensor
         assert status == "ok" and reason is None and shared == len(want)
         for got, ref in zip(results, want):
             assert torch.equal(got.view(-1).view(torch.uint8), ref.view(-1).view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (cells sharing one GPU)")
+def test_a_device_tensor_of_several_chunks_is_reduced_whole(shm_root):
+    numel = 3 * DEVICE_CHUNK_BYTES // 4 + 12_345  # three chunks and a remainder
+    members = Members(2, [shm_root] * 2, [{"kind": "ramp", "numel": numel, "device": "cuda"}] * 2)
+    try:
+        replies = [members.reply(r) for r in range(2)]
+    finally:
+        members.close()
+    ramp = torch.arange(numel, dtype=torch.float32)
+    want = ramp + (ramp + 1)
+    for status, [got], shared, _, _ in replies:
+        assert status == "ok" and shared == 1 and torch.equal(got, want)
 
 
 def test_members_that_do_not_share_the_filesystem_all_fall_back_to_gloo_and_say_why(shm_root, tmp_path):
