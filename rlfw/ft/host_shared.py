@@ -30,6 +30,7 @@ after a failed commit.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import mmap
@@ -43,7 +44,6 @@ import torch
 from torch.distributed import AllreduceOptions, ReduceOp
 from torchft import ProcessGroupGloo
 from torchft.process_group import create_store_client
-from torchft.work import _DummyWork
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,21 @@ def remove_orphans(root: str) -> List[str]:
             except FileNotFoundError:
                 pass  # another member removed it first
     return removed
+
+
+class _Completed(torch.distributed.Work):
+    """The Work of an all-reduce that finished before ``allreduce`` returned."""
+
+    def __init__(self, tensors: List[torch.Tensor]):
+        super().__init__()
+        self._future = torch.futures.Future()
+        self._future.set_result(tensors)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
 
 
 class PeerLostError(RuntimeError):
@@ -243,12 +258,13 @@ class ProcessGroupHostShared(ProcessGroupGloo):
                 self._unlink_after_first_use(tensors[0], n)
             self._forget(n - 2)
         except Exception as e:
-            self._store.set(f"abort/{n}", f"member {self._rank}: {e}")  # its peers stop waiting for it at once
+            with contextlib.suppress(RuntimeError):  # the store itself may be what failed
+                self._store.set(f"abort/{n}", f"member {self._rank}: {e}")  # its peers stop waiting for it at once
             raise
         if gloo:
             logger.warning("cross-cell all-reduce %d over Gloo: %s", n, gloo[0])
             return super().allreduce(tensors, opts)
-        return _DummyWork(tensors)
+        return _Completed(tensors)
 
     def _write(self, tensors: List[torch.Tensor], op, n: int) -> str:
         """Copy the tensor into this member's segment; return the offer, ``gloo <why>`` where that cannot be."""
