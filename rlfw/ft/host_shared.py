@@ -338,7 +338,10 @@ class ProcessGroupHostShared(ProcessGroupGloo):
         if rank == self._rank:
             return self._own[nbytes]
         if (rank, nbytes) not in self._theirs:
-            self._theirs[(rank, nbytes)] = _Segment(self._path(rank, nbytes), nbytes, create=False)
+            try:
+                self._theirs[(rank, nbytes)] = _Segment(self._path(rank, nbytes), nbytes, create=False)
+            except FileNotFoundError as e:
+                raise PeerLostError(f"member {rank}'s segment of {nbytes} bytes is gone (it failed or left): {e}")
         return self._theirs[(rank, nbytes)]
 
     def _scratch(self, t: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -86,6 +88,16 @@ def member(rank, world, port, root, quorum, plan, conn):
                     conn.send(("lost", str(e)))
             else:
                 time.sleep(600)
+        elif plan["kind"] == "abort":  # member 1 loses member 0's segment (removed from outside) and gives up
+            t = torch.ones(5000)
+            if rank == 1:
+                conn.recv()
+            try:
+                allreduce(pg, t, ReduceOp.SUM)
+                conn.send(("ok",))
+            except (PeerLostError, OSError) as e:
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+            conn.recv()  # keep this member's own segment until its peer has answered
         elif plan["kind"] == "numel":
             try:
                 allreduce(pg, torch.ones(10 + rank), ReduceOp.SUM)
@@ -250,6 +262,46 @@ def test_members_reducing_different_tensors_both_refuse(shm_root):
         members.close()
     for status, message in replies:
         assert status == "error" and "disagree" in message
+
+
+def test_a_member_that_fails_mid_all_reduce_stops_its_peers_at_once(shm_root):
+    """Member 1 cannot open member 0's segment; its abort key, not the 600 s timeout, releases member 0, which was
+    waiting for member 1 to finish reading."""
+    members = Members(2, [shm_root] * 2, [{"kind": "abort", "timeout_s": 600}] * 2)
+    try:
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while not [f for f in os.listdir(shm_root) if f.endswith("-r0-b20000")] and time.monotonic() < deadline:
+            time.sleep(0.05)  # member 0 has written its part and waits for member 1
+        [segment] = [f for f in os.listdir(shm_root) if f.endswith("-r0-b20000")]
+        os.unlink(os.path.join(shm_root, segment))
+        members.conns[1].send("go")
+        replies = [members.reply(r, timeout_s=120) for r in range(2)]
+        for conn in members.conns:
+            conn.send("end")
+    finally:
+        members.close()
+    assert replies[1][0] == "error" and "segment" in replies[1][1] and "is gone" in replies[1][1]
+    assert replies[0][0] == "error" and "PeerLostError" in replies[0][1] and "member 1" in replies[0][1]
+
+
+def _host_key_in(netns):
+    code = "from rlfw.ft.host_shared import host_key; print(host_key('/dev/shm'))"
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    out = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and ip")
+def test_a_process_in_another_network_namespace_is_another_node():
+    """The multi-node tests run nodes as network namespaces of one machine: cells there must meet over Gloo."""
+    netns = f"rlfwhostkey{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", netns], check=True)
+    try:
+        here, again, there = _host_key_in(None), _host_key_in(None), _host_key_in(netns)
+    finally:
+        subprocess.run(["ip", "netns", "del", netns], check=True)
+    assert here == again != there
 
 
 def _create_and_hang(root, name):
