@@ -183,6 +183,7 @@ class ProcessGroupHostShared(ProcessGroupGloo):
         self._members: List[Tuple[int, int]] = []  # each member's (pid namespace, pid): its liveness and file names
         self._tag = ""
         self._seq = 0
+        self._said: set = set()  # the fallback reasons logged in this quorum
         self._own: Dict[int, _Segment] = {}
         self._theirs: Dict[Tuple[int, int], _Segment] = {}
         self._staging: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -196,7 +197,7 @@ class ProcessGroupHostShared(ProcessGroupGloo):
         self._close_segments()
         super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
                           global_ranks)
-        self._rank, self._size, self._seq = rank, world_size, 0
+        self._rank, self._size, self._seq, self._said = rank, world_size, 0, set()
         self._tag = hashlib.sha1(store_addr.encode()).hexdigest()[:12]  # unique per job, quorum and group rank
         self._store = create_store_client(f"{store_addr}/rlfw_shm", timeout=self._timeout)
         self._ns = ns = _pid_namespace()
@@ -262,7 +263,10 @@ class ProcessGroupHostShared(ProcessGroupGloo):
                 self._store.set(f"abort/{n}", f"member {self._rank}: {e}")  # its peers stop waiting for it at once
             raise
         if gloo:
-            logger.warning("cross-cell all-reduce %d over Gloo: %s", n, gloo[0])
+            reason = gloo[0].split(" (")[0]  # without the free bytes, which vary
+            if reason not in self._said:  # once per reason and quorum, not at every step
+                self._said.add(reason)
+                logger.warning("cross-cell all-reduce %d over Gloo: %s", n, gloo[0])
             return super().allreduce(tensors, opts)
         return _Completed(tensors)
 

@@ -6,6 +6,7 @@ torchft's Manager configures it; peers die by SIGKILL and stall by SIGSTOP.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import shutil
@@ -71,8 +72,12 @@ def member(rank, world, port, root, quorum, plan, conn):
             leftovers = sorted(f for f in os.listdir(root) if f.startswith("rlfw-shm"))
             conn.send(("ok", results, pg.shared_allreduces, pg.fallback_reason, leftovers))
         elif plan["kind"] == "sizes":
+            said = []
+            handler = logging.Handler()
+            handler.emit = lambda record: said.append(record.getMessage())
+            logging.getLogger("rlfw.ft.host_shared").addHandler(handler)
             results = [allreduce(pg, torch.full((n,), float(rank + 1)), ReduceOp.SUM) for n in plan["sizes"]]
-            conn.send(("ok", results, pg.shared_allreduces, pg.fallback_reason, None))
+            conn.send(("ok", results, pg.shared_allreduces, pg.fallback_reason, said))
         elif plan["kind"] == "ramp":  # one tensor larger than the device path's chunk
             t = torch.arange(plan["numel"], dtype=torch.float32, device=plan["device"]) + rank
             conn.send(("ok", [allreduce(pg, t, ReduceOp.SUM).cpu()], pg.shared_allreduces, pg.fallback_reason, None))
@@ -215,7 +220,7 @@ def test_a_segment_the_filesystem_cannot_hold_sends_that_all_reduce_over_gloo_fo
     os.makedirs(root)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", root], check=True)
     try:
-        sizes = [1000, 400_000, 1000]  # 4 KB fits; 1.6 MB per member does not
+        sizes = [1000, 400_000, 400_000, 1000]  # 4 KB fits; 1.6 MB per member does not
         members = Members(2, [root, root], [{"kind": "sizes", "sizes": sizes}] * 2)
         try:
             replies = [members.reply(r) for r in range(2)]
@@ -223,10 +228,12 @@ def test_a_segment_the_filesystem_cannot_hold_sends_that_all_reduce_over_gloo_fo
             members.close()
     finally:
         subprocess.run(["umount", root], check=True)
-    for status, results, shared, reason, _ in replies:
+    for status, results, shared, reason, said in replies:
         assert status == "ok" and reason is None
-        assert shared == 2  # the two small ones; the big one went over Gloo, decided alike by both members
+        assert shared == 2  # the two small ones; the big ones went over Gloo, decided alike by both members
         assert [r.tolist() for r in results] == [[3.0] * n for n in sizes]
+        [warning] = said  # once, not at every all-reduce that falls back
+        assert "over Gloo" in warning and "cannot hold 1600000 bytes" in warning
 
 
 def test_a_peer_killed_mid_run_fails_the_next_all_reduce_at_once_naming_it(shm_root):

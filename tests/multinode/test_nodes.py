@@ -41,6 +41,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CELL_CPUS = 3  # a node that holds a cell has exactly this many; the head has fewer
 ROLLOUT, TRAIN = {"role": "rollout"}, {"role": "train"}  # Ray node labels: the engine on the head, cells elsewhere
 RUN_TIMEOUT_S = 420.0
+# The driver waits this long before a step for a replacement under way: long enough for the spare node's replacement
+# to set up (about 5 s) and heal at the next step; a cut that lands between steps makes the survivor wait all of it
+# for the replacement that has no room, before it commits alone (in a train call it retries alone at once).
+AWAIT_S = 45
 RLFW_PROCESSES = ("ray::TrainerWor", "ray::LocalEngin", "ray::RolloutMan")  # ss truncates process names
 
 
@@ -110,7 +114,7 @@ def test_node_loss_partition_and_regrowth_on_a_real_cluster(cluster, reference_r
     run_dir = tmp_path / "run"
     overrides = [*FAST, "dp=cells", *REFERENCE, f"cluster.address={cluster.head_address}",
                  f"cluster.cpus_per_worker={CELL_CPUS}", "cluster.trainer_label_selector=role:train",
-                 "rollout.engine_label_selector=role:rollout", "ft.await_replacement_s=120", f"run_dir={run_dir}",
+                 "rollout.engine_label_selector=role:rollout", f"ft.await_replacement_s={AWAIT_S}", f"run_dir={run_dir}",
                  f"hydra.run.dir={run_dir}"]
     log = tmp_path / "driver.log"
     proc = cluster.popen(0, sys.executable, "-m", "rlfw.train", *overrides, log=log, cwd=ROOT)
