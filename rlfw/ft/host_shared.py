@@ -40,6 +40,7 @@ import time
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
+import psutil
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp
 from torchft import ProcessGroupGloo
@@ -80,16 +81,11 @@ def host_key(root: str) -> str:
 def process_alive(pid: int) -> bool:
     """Whether ``pid`` (in this pid namespace) still runs; a zombie has died."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def remove_orphans(root: str) -> List[str]:

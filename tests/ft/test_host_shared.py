@@ -236,28 +236,28 @@ def test_a_segment_the_filesystem_cannot_hold_sends_that_all_reduce_over_gloo_fo
         assert "over Gloo" in warning and "cannot hold 1600000 bytes" in warning
 
 
-def test_a_peer_killed_mid_run_fails_the_next_all_reduce_at_once_naming_it(shm_root):
-    members = Members(2, [shm_root] * 2, [{"kind": "one_then_wait", "timeout_s": 600}] * 2)
+def signal_peer_then_all_reduce(shm_root, sig, timeout_s):
+    """Two members all-reduce once; member 1 gets ``sig``; member 0's next all-reduce answers (status, message)."""
+    members = Members(2, [shm_root] * 2, [{"kind": "one_then_wait", "timeout_s": timeout_s}] * 2)
     try:
         assert [members.reply(r)[0] for r in range(2)] == ["ready", "ready"]
-        os.kill(members.procs[1].pid, signal.SIGKILL)
-        members.procs[1].join(10)
+        os.kill(members.procs[1].pid, sig)
+        if sig == signal.SIGKILL:
+            members.procs[1].join(10)
         members.conns[0].send("go")
-        status, message = members.reply(0, timeout_s=120)  # far below the 600 s timeout: the pid is seen dead
+        return members.reply(0, timeout_s=120)
     finally:
         members.close()
+
+
+def test_a_peer_killed_mid_run_fails_the_next_all_reduce_at_once_naming_it(shm_root):
+    # far below the 600 s timeout: the pid is seen dead
+    status, message = signal_peer_then_all_reduce(shm_root, signal.SIGKILL, timeout_s=600)
     assert status == "lost" and "died" in message and "[1]" in message
 
 
 def test_a_stopped_peer_fails_the_all_reduce_at_the_group_timeout_naming_its_key(shm_root):
-    members = Members(2, [shm_root] * 2, [{"kind": "one_then_wait", "timeout_s": 3}] * 2)
-    try:
-        assert [members.reply(r)[0] for r in range(2)] == ["ready", "ready"]
-        os.kill(members.procs[1].pid, signal.SIGSTOP)
-        members.conns[0].send("go")
-        status, message = members.reply(0, timeout_s=120)
-    finally:
-        members.close()
+    status, message = signal_peer_then_all_reduce(shm_root, signal.SIGSTOP, timeout_s=3)
     assert status == "lost" and "no word from" in message and "arrive/1/1" in message
 
 
