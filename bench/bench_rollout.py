@@ -73,7 +73,7 @@ def main() -> None:
             startup = time.perf_counter() - t0
             results[backend] = {"startup_s": startup}
             for batch in args.batches:
-                prompts = [p.token_ids for p in task.sample_prompts(batch, np.random.default_rng(batch))]
+                prompts = [p.token_ids for p in task.sample_prompts(batch, 0, np.random.default_rng(batch))]
                 seconds, tokens = measure(engine, prompts, args.max_new_tokens, args.repeats)
                 rows.append([backend, batch, tokens, seconds, tokens / seconds, startup])
                 results[backend][batch] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}

@@ -29,6 +29,7 @@ from rlfw.checkpoint.resume import rewind_step_logs
 from rlfw.ft.errors import BelowMinCellsError, StateLostError
 from rlfw.ft.goodput import GoodputMeter
 from rlfw.rollout.queue import RolloutQueue, staleness
+from rlfw.run_files import LEDGER
 
 
 class NothingToTrainError(RuntimeError):
@@ -321,7 +322,7 @@ def run_loop(
     version = start_step  # the weight version counts committed RL steps
     queue = RolloutQueue(manager, max_staleness(cfg), cfg.num_steps, cfg.rollout.step_timeout_s)
     queue.push(group.export_weights(), version, wait=True)
-    ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)  # per step: trained sample ids, weight digests
+    ledger = open(run_dir / LEDGER, "a", buffering=1)  # per step: trained sample ids, weight digests
     loggers.table("algo", ["option", "value"], algo_options(cfg.algo), start_step)  # the combination in use
     metrics: Dict[str, float] = {}
     step, next_step, restores = start_step, start_step, 0
@@ -348,7 +349,7 @@ def run_loop(
                 ledger.close()
                 next_step, resumed = restore_last_state(cfg, group, critic, loggers, meter, run_dir, checkpointer,
                                                         step, e)
-                ledger = open(run_dir / "ledger.jsonl", "a", buffering=1)
+                ledger = open(run_dir / LEDGER, "a", buffering=1)
                 version = next_step
                 queue.push(group.export_weights(), version, wait=True)  # before any rollout asks for them
                 current = None

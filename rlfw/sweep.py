@@ -16,10 +16,8 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,69 +26,19 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict, read_write
 
+from rlfw.run_files import FAILED, OUTCOME, SWEEP_SUMMARY, describe_failure, read_failure, write_failure
+
 log = logging.getLogger("rlfw.sweep")
 
-FAILED_FILE = "FAILED"
-SUMMARY_FILE = "sweep_summary.json"
-OUTCOME_FILE = "outcome.json"  # written into each job's .hydra/ directory, next to its overrides
 RAY_LAUNCHER = "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher"
 T = TypeVar("T")
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def write_failure(run_dir: Path, error: BaseException, wall_s: float) -> Path:
-    """Record why a job failed: ``FAILED`` holds a JSON object with the error's type and message, its root cause
-    (``Type: first line``), traceback and the job's wall time."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cause = _root_cause(error)
-    record = {
-        "type": type(error).__name__,
-        "message": str(error),
-        "cause": f"{type(cause).__name__}: {_first_line(str(cause))}".rstrip(": "),
-        "traceback": "".join(traceback.format_exception(error)),
-        "wall_s": wall_s,
-    }
-    path = run_dir / FAILED_FILE
-    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    return path
-
-
-def read_failure(run_dir: Path) -> dict[str, Any] | None:
-    """The ``FAILED`` record of a run directory, or None if the run did not fail."""
-    path = Path(run_dir) / FAILED_FILE
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:  # not ours (e.g. written by hand): keep its text as the message
-        return {"type": "Failed", "message": path.read_text(encoding="utf-8").strip()}
-    return record if isinstance(record, dict) else {"type": "Failed", "message": str(record)}
-
-
-def describe_failure(failure: dict[str, Any]) -> str:
-    """The root cause, or ``Type: first line of the message``: short enough for a table cell or a log line."""
-    if failure.get("cause"):
-        return failure["cause"]
-    return f"{failure.get('type', 'Failed')}: {_first_line(failure.get('message', ''))}".rstrip(": ")
-
-
-def _root_cause(error: BaseException) -> BaseException:
-    """The exception raised inside a Ray actor or task, unwrapped from Ray's ``RayTaskError`` (its ``cause``)."""
-    while isinstance(getattr(error, "cause", None), BaseException):
-        error = error.cause
-    return error
-
-
-def _first_line(message: object) -> str:
-    lines = _ANSI_ESCAPE.sub("", str(message)).strip().splitlines()  # Ray colours its errors
-    return lines[0] if lines else ""
 
 
 def run_sweep_job(job: Callable[[], T], run_dir: Path) -> T | None:
     """Run one sweep job; an exception fails this job only (FAILED file, Ray shut down) and gives None."""
     from rlfw.cluster.ray_cluster import stop_ray
 
-    (run_dir / FAILED_FILE).unlink(missing_ok=True)  # left by an earlier attempt in this directory
+    (run_dir / FAILED).unlink(missing_ok=True)  # left by an earlier attempt in this directory
     started = time.time()
     try:
         return job()
@@ -146,7 +94,7 @@ class SweepCallback(Callback):
             "error": describe_failure(failure) if failure is not None else None,
         }
         (output_dir / ".hydra").mkdir(parents=True, exist_ok=True)
-        path = output_dir / ".hydra" / OUTCOME_FILE
+        path = output_dir / ".hydra" / OUTCOME
         partial = path.with_name(path.name + ".partial")  # whole or not at all: the sweep's summary reads it
         partial.write_text(json.dumps(outcome, indent=2) + "\n", encoding="utf-8")
         os.replace(partial, path)
@@ -156,7 +104,7 @@ class SweepCallback(Callback):
         jobs = self._outcomes(sweep_dir)
         failed = [job for job in jobs if job["status"] == "failed"]
         summary = {"sweep_dir": str(sweep_dir), "num_jobs": len(jobs), "num_failed": len(failed), "jobs": jobs}
-        path = sweep_dir / SUMMARY_FILE
+        path = sweep_dir / SWEEP_SUMMARY
         path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         if self._owns_ray:
             from rlfw.cluster.ray_cluster import stop_ray
@@ -171,7 +119,7 @@ class SweepCallback(Callback):
     def _outcomes(self, sweep_dir: Path) -> list[dict[str, Any]]:
         """This sweep's job outcomes, by job number (outcomes left by an earlier sweep into the same dir are not)."""
         jobs = []
-        for path in sweep_dir.glob(f"**/.hydra/{OUTCOME_FILE}"):
+        for path in sweep_dir.glob(f"**/.hydra/{OUTCOME}"):
             try:
                 outcome = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:  # not one this sweep wrote (those are renamed into place whole)

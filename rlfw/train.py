@@ -20,6 +20,7 @@ from rlfw.cluster.worker_setup import KNOWN_WARNINGS_ENV, setup_process
 from rlfw.config import ConfigError, register_configs, validate
 from rlfw.ft.errors import BelowMinCellsError, WorldLostError
 from rlfw.loop import NothingToTrainError
+from rlfw.run_files import CONFIG
 from rlfw.sweep import run_sweep_job
 
 log = logging.getLogger("rlfw")
@@ -65,7 +66,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 
     visible_gpus = torch.cuda.device_count() if cfg.cluster.device != "cpu" else None
     if cfg.model.hf_path:  # the unset architecture keys come from the checkpoint's config.json
-        from rlfw.megatron.hf_checkpoint import fill_model_config
+        from rlfw.model.hf_checkpoint import fill_model_config
 
         fill_model_config(cfg.model)
     validate(cfg, num_devices=visible_gpus or None)
@@ -88,7 +89,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
                  f" (rewound {rewound})" if rewound else "")
     elif cfg.resume == "auto" and (rewound := rewind_step_logs(run_dir, 0)):  # a restart before the first save
         log.info("resume=auto: the steps an earlier job logged before any checkpoint are redone (rewound %s)", rewound)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (run_dir / CONFIG).write_text(OmegaConf.to_yaml(cfg, resolve=True))
     restarting = resume is not None or cfg.resume == "auto"  # resume=auto: the run's earlier jobs count in its figures
     meter = GoodputMeter.for_run(run_dir, run_started(run_dir, restarting, started), restarting)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rlfw.megatron.model import ModelShape
+from rlfw.model.shape import ModelShape
 
 
 def check_packed_attention(shape: ModelShape, device: torch.device, results) -> None:

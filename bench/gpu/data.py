@@ -6,7 +6,7 @@ import math
 import random
 
 from rlfw.data.batch import DYNAMIC_GBS, RolloutBatch
-from rlfw.megatron.model import ModelShape
+from rlfw.model.shape import ModelShape
 
 
 def packed_lengths(rng: random.Random, rows: int, budget: int, lo: int, hi: int) -> list[int]:

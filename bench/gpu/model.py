@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from rlfw.megatron.model import ModelShape
+from rlfw.model.shape import ModelShape
 
 QWEN2_1P5B = ModelShape(
     num_layers=28, hidden_size=1536, num_attention_heads=12, num_query_groups=2, ffn_hidden_size=8960,

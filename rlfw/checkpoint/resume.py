@@ -19,12 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from rlfw.checkpoint.layout import CheckpointError, find_latest, verify
-from rlfw.config import ConfigError
+from rlfw.errors import ConfigError
+from rlfw.run_files import REWOUND, STEP_LOGS
 
 log = logging.getLogger("rlfw.checkpoint")
-
-# Files of the run directory keyed by step; a resumed run drops the records of steps it will redo.
-STEP_LOGS = ("metrics.jsonl", "events.jsonl", "tables.jsonl", "ledger.jsonl")
 
 
 @dataclass(frozen=True)
@@ -89,7 +87,7 @@ def rewind_step_logs(run_dir: Path, step: int) -> dict[str, int]:
                 record_step = None  # a line torn by the crash: superseded as well
             (superseded if record_step is None or record_step >= step else keep).append(line)
         if superseded:
-            with open(path.with_name(name + ".rewound"), "a") as f:
+            with open(path.with_name(name + REWOUND), "a") as f:
                 f.writelines(superseded)
             tmp = path.with_name(name + ".tmp")
             tmp.write_text("".join(keep))

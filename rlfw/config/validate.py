@@ -13,12 +13,9 @@ from rlfw.algo.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlfw.cluster.address import AddressError, check_rule
 from rlfw.cluster.labels import parse_labels
 from rlfw.config.schema import RLConfig
+from rlfw.errors import ConfigError
 from rlfw.ft.faults import CELL_ONLY_PHASES
 from rlfw.megatron.model import RECOMPUTE, RECOMPUTE_MODULES
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and says what to change."""
 
 
 def _choice(key: str, value, options) -> None:

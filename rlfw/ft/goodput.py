@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-RUN_STARTED = "run_started.json"
+from rlfw.run_files import METRICS, REWOUND, RUN_STARTED, read_jsonl
+
 STEP_TIME, SAMPLES, WALL = "time/step", "train/num_samples", "time/wall"
 
 
@@ -37,9 +38,7 @@ def run_started(run_dir: Path, resuming: bool, now: float) -> float:
 
 
 def _records(path: Path) -> List[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path) if path.exists() else []
 
 
 class GoodputMeter:
@@ -57,8 +56,8 @@ class GoodputMeter:
         """A fresh run's meter, or a resumed one's from the run's records (``metrics.jsonl`` already rewound)."""
         if not resuming:
             return cls(started)
-        kept = _records(Path(run_dir) / "metrics.jsonl")
-        walls = [r[WALL] for r in kept + _records(Path(run_dir) / "metrics.jsonl.rewound") if WALL in r]
+        kept = _records(Path(run_dir) / METRICS)
+        walls = [r[WALL] for r in kept + _records(Path(run_dir) / (METRICS + REWOUND)) if WALL in r]
         return cls(started, kept, max(walls) if walls else None)
 
     def failure(self, detected_at: float) -> None:

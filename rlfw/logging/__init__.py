@@ -8,7 +8,6 @@ from rlfw.logging.loggers import (
     MultiLogger,
     WandbLogger,
     build_loggers,
-    read_jsonl,
 )
 from rlfw.logging.wandb_files import iter_wandb_records, read_wandb_offline_history
 
@@ -21,6 +20,5 @@ __all__ = [
     "WandbLogger",
     "build_loggers",
     "iter_wandb_records",
-    "read_jsonl",
     "read_wandb_offline_history",
 ]

@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
+from rlfw.run_files import EVENTS, METRICS, TABLES
+
 Metrics = Mapping[str, float | int]
 
 
@@ -61,13 +63,13 @@ class JsonlLogger:
         self._files: dict[str, IO[str]] = {}
 
     def log(self, metrics: Metrics, step: int) -> None:
-        self._append("metrics.jsonl", {"step": step, **metrics})
+        self._append(METRICS, {"step": step, **metrics})
 
     def event(self, kind: str, step: int, **fields: Any) -> None:
-        self._append("events.jsonl", {"step": step, "kind": kind, "time": time.time(), **fields})
+        self._append(EVENTS, {"step": step, "kind": kind, "time": time.time(), **fields})
 
     def table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
-        self._append("tables.jsonl", {"step": step, "name": name, "columns": columns, "rows": rows})
+        self._append(TABLES, {"step": step, "name": name, "columns": columns, "rows": rows})
 
     def finish(self, exit_code: int = 0) -> None:
         for file in self._files.values():
@@ -100,12 +102,6 @@ def _finite_json(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_finite_json(item) for item in value]
     return value
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Load a JSONL file written by ``JsonlLogger``, one dict per line, values as written."""
-    with open(path, encoding="utf-8") as file:
-        return [json.loads(line) for line in file if line.strip()]
 
 
 class WandbLogger:

@@ -23,9 +23,9 @@ recognised once per mask tensor and turned into offsets; any other mask goes to 
 (SDPA's convention is the opposite: True = attend). Rows whose mask hides every key are not supported (SDPA returns
 NaN there; Megatron a uniform mix).
 
-``PACKED_IMPL`` (environment ``RLFW_SDPA_PACKED``) forces the path of packed sequences: ``auto`` (varlen where
-usable, else per sequence), ``varlen``, ``loop`` (per-sequence SDPA) or ``mask`` (a recognised block mask goes to
-SDPA as it is).
+``PACKED_IMPL`` is the path of packed sequences: ``auto`` (varlen where usable, else per sequence); the tests set
+``varlen``, ``loop`` (per-sequence SDPA) or ``mask`` (a recognised block mask goes to SDPA as it is) to hold the
+paths against each other.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -45,12 +44,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-PACKED_IMPL = os.environ.get("RLFW_SDPA_PACKED", "auto")
-# Where torch's varlen API has no ``enable_gqa`` argument (torch 2.10/2.11), grouped K/V go to the flash kernel as
-# they are ("native": FlashAttention handles GQA itself; on torch 2.11 + H200 outputs and dK/dV matched the repeated
-# version exactly and dQ within 1e-5, and a layer's fwd+bwd took 1.21 ms instead of 1.58 ms); "repeat" copies K/V
-# to all heads first.
-VARLEN_GQA = os.environ.get("RLFW_VARLEN_GQA", "native")
+PACKED_IMPL = "auto"
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -96,11 +90,11 @@ def _run_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max
         kwargs["scale"] = scale
     elif not math.isclose(scale, 1.0 / math.sqrt(q.size(-1)), rel_tol=1e-12):
         q = q * (scale * math.sqrt(q.size(-1)))  # the kernel's default scale is 1/sqrt(dim)
-    if k.size(1) != q.size(1):
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        elif VARLEN_GQA != "native":
-            k, v = _repeat_kv(k, q.size(1), dim=1), _repeat_kv(v, q.size(1), dim=1)
+    # Where torch's varlen API has no ``enable_gqa`` argument (torch 2.10/2.11), grouped K/V go to the flash kernel
+    # as they are: FlashAttention handles GQA itself (on torch 2.11 + H200 outputs and dK/dV matched K/V repeated to
+    # all heads exactly and dQ within 1e-5, and a layer's fwd+bwd took 1.21 ms instead of 1.58 ms).
+    if k.size(1) != q.size(1) and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
     out = fn(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 

@@ -19,7 +19,8 @@ import math
 import torch
 
 from rlfw.data.batch import RolloutBatch
-from rlfw.megatron.model import ModelShape, build_gpt, takes_sequence_offsets, transformer_config
+from rlfw.megatron.model import build_gpt, takes_sequence_offsets, transformer_config
+from rlfw.model.shape import ModelShape
 from rlfw.megatron.packing import build_rows, microbatches, pack_by_token_budget
 from rlfw.megatron.policy import PolicyTrainer, megatron_adam, row_output
 
@@ -134,8 +135,8 @@ class ValueTrainer:
         """Initialise the trunk and final norm from the HF checkpoint the policy starts from."""
         from megatron.core import parallel_state
 
-        from rlfw.megatron.hf_checkpoint import SafetensorsCheckpoint
-        from rlfw.megatron.hf_convert import hf_to_megatron
+        from rlfw.model.hf_checkpoint import SafetensorsCheckpoint
+        from rlfw.model.hf_convert import hf_to_megatron
 
         state = hf_to_megatron(
             SafetensorsCheckpoint(path), self.shape, tp_rank=parallel_state.get_tensor_model_parallel_rank(),

@@ -1,6 +1,6 @@
 """Build the policy as a Megatron-core ``GPTModel`` (Llama-style: RoPE, RMSNorm, SwiGLU, no output biases).
 
-Three switches cover the Hugging Face families rlfw converts one-to-one (see ``rlfw.megatron.hf_convert``):
+Three switches cover the Hugging Face families rlfw converts one-to-one (see ``rlfw.model.hf_convert``):
 ``qkv_bias`` (Qwen2), ``qk_layernorm`` (Qwen3) and ``tie_word_embeddings``; with none of them it is
 ``LlamaForCausalLM``. The Megatron *local* layer spec is used
 on every device; on CUDA its core attention is ``rlfw.megatron.attention.SDPAttention``
@@ -9,36 +9,10 @@ on every device; on CUDA its core attention is ``rlfw.megatron.attention.SDPAtte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class ModelShape:
-    """Architecture numbers shared by the trainer, the engines and the HF export."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    vocab_size: int
-    max_seq_len: int
-    rope_theta: float = 10000.0
-    norm_epsilon: float = 1e-5
-    head_dim: int | None = None  # width of one attention head (Megatron kv_channels); None = hidden / heads
-    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
-    qk_layernorm: bool = False  # RMSNorm over every query and key head before RoPE (Qwen3)
-    tie_word_embeddings: bool = False  # the output layer reuses the input embedding matrix
-    # Llama 3.x RoPE scaling (HF rope_type "llama3" with Megatron's fixed low/high frequency factors 1 and 4 and
-    # original context 8192): the factor; None = plain RoPE.
-    rope_scaling_factor: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+from rlfw.model.shape import ModelShape
 
 
 RECOMPUTE = ("none", "selective", "full")

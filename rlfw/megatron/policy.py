@@ -15,7 +15,8 @@ from rlfw.algo.losses import needs_reference, policy_loss
 from rlfw.data.batch import RolloutBatch
 from rlfw.megatron import multi_tensor
 from rlfw.megatron.head import emit_hidden_states, head_logprobs, head_weight
-from rlfw.megatron.model import ModelShape, build_gpt, takes_sequence_offsets, transformer_config
+from rlfw.megatron.model import build_gpt, takes_sequence_offsets, transformer_config
+from rlfw.model.shape import ModelShape
 from rlfw.megatron.packing import MicroBatch, build_rows, microbatches, pack_by_token_budget
 
 

@@ -2,7 +2,7 @@
 
 The files are the ones ``JsonlLogger`` writes: ``metrics.jsonl`` (one ``{"step", **metrics}`` per step),
 ``events.jsonl`` (``{"step", "kind", "time", **fields}``), plus the ``config.yaml`` the run used and, for a sweep
-job that raised, the ``FAILED`` file ``rlfw.sweep`` writes. Parsing is strict: a report drawn from a silently
+job that raised, the ``FAILED`` file ``rlfw.sweep`` writes (names and reader: ``rlfw.run_files``). Parsing is strict: a report drawn from a silently
 skipped line would be wrong without saying so, so every bad line fails with its file and line number.
 """
 
@@ -17,11 +17,8 @@ from typing import Any
 
 import yaml
 
-from rlfw.sweep import FAILED_FILE, SUMMARY_FILE, read_failure
+from rlfw.run_files import CONFIG, EVENTS, FAILED, METRICS, SWEEP_SUMMARY, RecordError, read_failure, read_jsonl
 
-METRICS_FILE = "metrics.jsonl"
-EVENTS_FILE = "events.jsonl"
-CONFIG_FILE = "config.yaml"
 # Per-replica batch sizes: ``cell/<id>/...`` with dp=cells, ``dp/<rank>/...`` with dp=classic.
 REPLICA_KEY = re.compile(r"^(cell|dp)/(\d+)/(num_samples|num_tokens)$")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # how JsonlLogger writes them
@@ -91,45 +88,36 @@ class SweepJob:
 
 def read_records(path: Path, required: tuple[str, ...]) -> list[dict[str, Any]]:
     """Every line of a JSONL file as a dict holding ``required`` keys; a bad line names its file and number."""
-    records = []
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ReportError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise ReportError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            missing = [key for key in required if key not in record]
-            if missing:
-                raise ReportError(f"{path}:{number}: missing {', '.join(map(repr, missing))}")
-            if not isinstance(record["step"], int) or isinstance(record["step"], bool):
-                raise ReportError(f"{path}:{number}: 'step' must be an integer, got {record['step']!r}")
-            records.append(record)
-    return records
+    try:
+        return read_jsonl(path, required, check=_integer_step)
+    except RecordError as error:
+        raise ReportError(str(error)) from None
+
+
+def _integer_step(record: dict[str, Any]) -> str | None:
+    step = record["step"]
+    return None if isinstance(step, int) and not isinstance(step, bool) else f"'step' must be an integer, got {step!r}"
 
 
 def load_run(path: str | Path) -> Run:
     """Load one run directory; it must hold a non-empty ``metrics.jsonl``."""
     path = Path(path)
-    metrics_path = path / METRICS_FILE
+    metrics_path = path / METRICS
     if not metrics_path.is_file():
         raise ReportError(f"{metrics_path}: no such file; is {path} a run directory?")
     metrics = read_records(metrics_path, ("step",))
     if not metrics:
         raise ReportError(f"{metrics_path}: empty; the run logged no step")
-    events_path = path / EVENTS_FILE
+    events_path = path / EVENTS
     events = read_records(events_path, ("step", "kind")) if events_path.is_file() else []
-    return Run(path, metrics, events, _read_config(path / CONFIG_FILE), read_failure(path))
+    return Run(path, metrics, events, _read_config(path / CONFIG), read_failure(path))
 
 
 def is_sweep_dir(path: str | Path) -> bool:
     """A Hydra multirun directory: ``multirun.yaml`` or the summary at its top, job directories below."""
     path = Path(path)
-    return not (path / METRICS_FILE).exists() and (
-        (path / "multirun.yaml").exists() or (path / SUMMARY_FILE).exists() or bool(_job_dirs(path))
+    return not (path / METRICS).exists() and (
+        (path / "multirun.yaml").exists() or (path / SWEEP_SUMMARY).exists() or bool(_job_dirs(path))
     )
 
 
@@ -138,14 +126,14 @@ def load_sweep(path: str | Path) -> list[SweepJob]:
     path = Path(path)
     job_dirs = _job_dirs(path)
     if not job_dirs:
-        raise ReportError(f"{path}: no job directories (each with .hydra/ or {METRICS_FILE}) in this sweep")
-    summary = _read_summary(path / SUMMARY_FILE)
+        raise ReportError(f"{path}: no job directories (each with .hydra/ or {METRICS}) in this sweep")
+    summary = _read_summary(path / SWEEP_SUMMARY)
     jobs = []
     for number, job_dir in job_dirs:
         failure = read_failure(job_dir)
-        run = load_run(job_dir) if (job_dir / METRICS_FILE).is_file() else None
+        run = load_run(job_dir) if (job_dir / METRICS).is_file() else None
         if run is None and failure is None:
-            failure = {"type": "NoMetrics", "message": f"{job_dir / METRICS_FILE} does not exist"}
+            failure = {"type": "NoMetrics", "message": f"{job_dir / METRICS} does not exist"}
         recorded = summary.get(job_dir.name, {})
         wall_s = recorded.get("wall_s")
         if wall_s is None and failure is not None:
@@ -168,7 +156,7 @@ def _job_dirs(path: Path) -> list[tuple[int, Path]]:
     """Sub-directories that are sweep jobs, numbered by the ``<n>_`` prefix Hydra's sweep subdir gives them."""
     jobs = []
     for child in path.iterdir() if path.is_dir() else []:
-        if not child.is_dir() or not any((child / name).exists() for name in (".hydra", METRICS_FILE, FAILED_FILE)):
+        if not child.is_dir() or not any((child / name).exists() for name in (".hydra", METRICS, FAILED)):
             continue
         prefix = child.name.split("_", 1)[0]
         jobs.append((int(prefix) if prefix.isdigit() else len(jobs), child))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from rlfw.report.load import SweepJob, varying_overrides
-from rlfw.sweep import describe_failure
+from rlfw.run_files import describe_failure
 
 LAST_N = 10  # steps averaged for the "last-10" reward, which is steadier than the final step's
 

@@ -26,7 +26,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from rlfw.data.batch import RolloutBatch
-from rlfw.megatron.model import ModelShape
+from rlfw.model.shape import ModelShape
 from rlfw.rollout.engines.base import build_engine, engine_class
 from rlfw.rollout.engines.pool import EnginePool
 from rlfw.rollout.types import Generation, Prompt, SamplingParams
@@ -120,7 +120,7 @@ class RolloutManager:
         t0 = time.perf_counter()
         for round_index in range(rounds):
             num = cfg.num_prompts if round_index == 0 else self._oversample_count(counts["sampled"], len(kept))
-            prompts = self.task.sample_prompts(num, rng)
+            prompts = self.task.sample_prompts(num, step, rng)
             counts["sampled"] += num
             counts["rounds"] += 1
             groups, generated = self._generate_groups(prompts, position, [self.cfg.seed, step, round_index], counts,

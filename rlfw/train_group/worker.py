@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from rlfw.cluster.address import node_address, pin_gloo_interface
 from rlfw.cluster.store import connect_store, serve_store
 from rlfw.data.batch import RolloutBatch, split_batch
-from rlfw.megatron.model import ModelShape
+from rlfw.model.shape import ModelShape
 
 
 def model_shape(cfg, vocab_size: int) -> ModelShape:
@@ -140,7 +140,7 @@ class TrainerWorker:
             init_seed=self.cfg.model.init_seed, bf16=self.cfg.model.bf16, **self._recompute(),
         )
         if self.cfg.model.hf_path:  # the checkpoint replaces the random init, in the frozen reference too
-            from rlfw.megatron.hf_checkpoint import load_hf_weights
+            from rlfw.model.hf_checkpoint import load_hf_weights
 
             modules = [m for m in (self.trainer.model.module, self.trainer.reference) if m is not None]
             load_hf_weights(self.cfg.model.hf_path, self.shape, *modules)
@@ -196,7 +196,7 @@ class TrainerWorker:
         failed) and passes the first on as a reference, never deserialising the weights itself (gigabytes a step
         for a real model). The rollout manager receives them and keeps its own copy, for the engines it loads
         and for those it restarts after the writer's node is gone."""
-        from rlfw.megatron.hf_convert import megatron_to_hf
+        from rlfw.model.hf_convert import megatron_to_hf
 
         self.faults.maybe_fault("weight_sync", self.cursor["rl_step"])  # the step just committed
         full = self.trainer.full_weights()

@@ -16,7 +16,7 @@ import torch
 
 from rlfw.config.schema import AlgoConfig
 from rlfw.data.batch import RolloutBatch
-from rlfw.megatron.model import ModelShape
+from rlfw.model.shape import ModelShape
 
 SHAPE = ModelShape(
     num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vocab_size=16,

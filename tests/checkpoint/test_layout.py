@@ -19,8 +19,8 @@ from rlfw.checkpoint.layout import (
     verify,
 )
 from rlfw.checkpoint.resume import check_compatible, resolve_resume, rewind_step_logs
-from rlfw.config import ConfigError
-from rlfw.megatron.model import ModelShape
+from rlfw.errors import ConfigError
+from rlfw.model.shape import ModelShape
 
 SHAPE = ModelShape(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=512,
                    vocab_size=64, max_seq_len=64)

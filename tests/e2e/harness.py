@@ -6,12 +6,12 @@ fault-free reference run once (``reference_run``), and fold several faults into 
 invariants can still be checked on its own step.
 """
 
-import json
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
 from rlfw.config import register_configs
+from rlfw.run_files import read_jsonl
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 register_configs()
@@ -39,10 +39,6 @@ def run_rlfw(run_dir: Path, *overrides) -> Path:
 
     train(compose_cfg(run_dir, *overrides), run_dir)
     return run_dir
-
-
-def read_jsonl(path: Path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def checkpoint_model(run_dir: Path, steps_done: int | None = None) -> dict:

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from rlfw.ft.goodput import RUN_STARTED, GoodputMeter, run_started
+from rlfw.ft.goodput import GoodputMeter, run_started
+from rlfw.run_files import RUN_STARTED
 
 
 def test_goodput_and_ettr_count_the_kept_steps_over_the_wall_clock():

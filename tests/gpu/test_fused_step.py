@@ -11,7 +11,7 @@ import torch
 
 from bench.gpu import setup
 from bench.gpu.data import rollout_batch
-from rlfw.megatron.model import ModelShape
+from rlfw.model.shape import ModelShape
 
 SHAPE = ModelShape(num_layers=4, hidden_size=1024, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=2816,
                    vocab_size=32000, max_seq_len=2048, rope_theta=1e6)

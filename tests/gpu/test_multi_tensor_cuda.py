@@ -37,7 +37,7 @@ def test_megatrons_clipped_step_is_the_same_on_foreach_kernels(cuda_world):
     step on Megatron's per-tensor loops: the same norm, and the gradients scaled to the limit alike."""
     from bench.gpu import setup
     from bench.gpu.data import rollout_batch
-    from rlfw.megatron.model import ModelShape
+    from rlfw.model.shape import ModelShape
 
     shape = ModelShape(num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=1408,
                        vocab_size=8000, max_seq_len=1024)

@@ -13,10 +13,10 @@ from rlfw.logging import (
     WandbLogger,
     build_loggers,
     iter_wandb_records,
-    read_jsonl,
     read_wandb_offline_history,
 )
 from rlfw.logging.loggers import _resolve_wandb_mode
+from rlfw.run_files import read_jsonl
 
 
 def _isolate_wandb(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:

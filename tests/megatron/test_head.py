@@ -128,7 +128,8 @@ def test_emit_hidden_states_keeps_the_model_and_its_logits(megatron_world, tied)
     """The megatron-core contract: with the output layer replaced by the identity the model returns the final
     norm's output, batch-first; times ``head_weight`` (the embedding when tied) it is the model's own logits, and
     the state dict keeps its keys."""
-    from rlfw.megatron.model import ModelShape, build_gpt, transformer_config
+    from rlfw.megatron.model import build_gpt, transformer_config
+    from rlfw.model.shape import ModelShape
 
     shape = ModelShape(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
                        vocab_size=24, max_seq_len=16, tie_word_embeddings=tied)

@@ -18,7 +18,7 @@ from test_hf_convert import LOGITS_ATOL, megatron_logits, megatron_weights, rand
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from rlfw.config import ConfigError, register_configs
-from rlfw.megatron.hf_checkpoint import (
+from rlfw.model.hf_checkpoint import (
     architecture,
     fill_model_config,
     load_hf_weights,
@@ -26,8 +26,8 @@ from rlfw.megatron.hf_checkpoint import (
     read_hf_config,
     save_hf_checkpoint,
 )
-from rlfw.megatron.hf_convert import megatron_to_hf
-from rlfw.megatron.model import ModelShape
+from rlfw.model.hf_convert import megatron_to_hf
+from rlfw.model.shape import ModelShape
 from rlfw.rollout.tokenizer import build_tokenizer
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
@@ -302,7 +302,7 @@ def test_config_errors_name_the_key(checkpoints, tmp_path):
 def test_tasks_get_the_checkpoint_tokenizer_through_a_target_node(checkpoints):
     """The word-level tokenizer saved beside a Qwen2 config comes back as saved (AutoTokenizer alone would
     rebuild it as a byte-level BPE Qwen2Tokenizer, which splits these words differently)."""
-    node = {"_target_": "rlfw.megatron.hf_checkpoint.load_tokenizer", "path": str(checkpoints["qwen2"])}
+    node = {"_target_": "rlfw.model.hf_checkpoint.load_tokenizer", "path": str(checkpoints["qwen2"])}
     tokenizer = instantiate(node)
     assert len(tokenizer) == 12 and tokenizer.eos_token_id == 2
     assert tokenizer.encode("<bos> w0 w7 =") == [1, 4, 11, 3]

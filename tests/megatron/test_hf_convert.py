@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlfw.megatron.hf_convert import hf_config, hf_model_type, hf_to_megatron, megatron_to_hf
-from rlfw.megatron.model import ModelShape
+from rlfw.model.hf_convert import hf_config, hf_model_type, hf_to_megatron, megatron_to_hf
+from rlfw.model.shape import ModelShape
 
 BASE = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 128,
         "vocab_size": 32, "max_seq_len": 64}

@@ -6,7 +6,8 @@ BENCHMARKS.md."""
 import pytest
 import torch
 
-from rlfw.megatron.model import ModelShape, build_gpt, recompute_options, transformer_config
+from rlfw.megatron.model import build_gpt, recompute_options, transformer_config
+from rlfw.model.shape import ModelShape
 
 SHAPE = ModelShape(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
                    vocab_size=24, max_seq_len=16)

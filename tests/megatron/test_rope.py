@@ -7,7 +7,8 @@ import torch
 from megatron.core.models.common.embeddings import rope_utils
 
 from rlfw.megatron import rope
-from rlfw.megatron.model import ModelShape, build_gpt, transformer_config
+from rlfw.megatron.model import build_gpt, transformer_config
+from rlfw.model.shape import ModelShape
 
 SHAPE = ModelShape(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
                    vocab_size=24, max_seq_len=16)

@@ -10,7 +10,7 @@ gradients are the same with and without packing, and with offsets or with dense 
 import pytest
 import torch
 
-from rlfw.megatron.model import ModelShape
+from rlfw.model.shape import ModelShape
 
 GQA = ModelShape(
     num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vocab_size=16,

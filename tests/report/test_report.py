@@ -13,7 +13,7 @@ from rlfw.logging import JsonlLogger
 from rlfw.report.__main__ import main
 from rlfw.report.figures import DPI, RUN_FIGSIZE, SWEEP_FIGSIZE
 from rlfw.report.load import load_run
-from rlfw.sweep import write_failure
+from rlfw.run_files import write_failure
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_PANELS = ["Reward (mean ± std)", "Loss", "Samples per replica", "Response tokens per replica",

@@ -10,8 +10,8 @@ from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM
 
 from rlfw.config import register_configs
-from rlfw.megatron.hf_convert import hf_config
-from rlfw.megatron.model import ModelShape
+from rlfw.model.hf_convert import hf_config
+from rlfw.model.shape import ModelShape
 from rlfw.rollout.manager import padded_vocab_size
 from rlfw.rollout.tasks import CopyTask
 from rlfw.train_group.worker import model_shape

@@ -76,7 +76,7 @@ class Model:
         # Imported here: a router loads no model, so it skips torch and transformers and starts at once.
         import torch
 
-        from rlfw.megatron.hf_checkpoint import read_hf_config
+        from rlfw.model.hf_checkpoint import read_hf_config
 
         torch.set_num_threads(1)
         self.shape = _shape(path)
@@ -222,8 +222,8 @@ def _stepped_engine(shape, eos_token_id: int, seed: int):
 
 
 def _shape(path: str):
-    from rlfw.megatron.hf_checkpoint import architecture, read_hf_config
-    from rlfw.megatron.model import ModelShape
+    from rlfw.model.hf_checkpoint import architecture, read_hf_config
+    from rlfw.model.shape import ModelShape
 
     config = read_hf_config(path)
     return ModelShape(**architecture(config), max_seq_len=config.max_position_embeddings)

@@ -36,7 +36,7 @@ def test_tokenizer_rejects_clashing_symbols():
 def test_prompts_spell_out_the_copy():
     task = CopyTask(num_symbols=5, length=4)
     tokenizer = task.tokenizer
-    prompts = task.sample_prompts(6, np.random.default_rng(0))
+    prompts = task.sample_prompts(6, 0, np.random.default_rng(0))
 
     assert [p.prompt_id for p in prompts] == list(range(6))
     assert task.max_response_len == 5
@@ -46,7 +46,7 @@ def test_prompts_spell_out_the_copy():
         assert tokenizer.decode(prompt.token_ids) == "<bos> " + " ".join(symbols) + " ="
         assert tokenizer.decode(prompt.target) == " ".join(symbols) + " <eos>"
 
-    again = CopyTask(num_symbols=5, length=4).sample_prompts(6, np.random.default_rng(0))
+    again = CopyTask(num_symbols=5, length=4).sample_prompts(6, 0, np.random.default_rng(0))
     assert [p.token_ids for p in again] == [p.token_ids for p in prompts]
 
 
@@ -71,7 +71,7 @@ def test_long_tailed_lengths_stay_in_range_and_score_by_their_own_length():
     from rlfw.rollout.tasks.copy import CopyTask
 
     task = CopyTask(num_symbols=8, length=20, min_length=2)
-    prompts = task.sample_prompts(500, np.random.default_rng(0))
+    prompts = task.sample_prompts(500, 0, np.random.default_rng(0))
     lengths = [len(p.target) - 1 for p in prompts]
     assert min(lengths) >= 2 and max(lengths) <= 20 and len(set(lengths)) > 5
     assert sorted(lengths)[len(lengths) // 2] < 10  # long tail: most are short

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlfw.megatron.model import ModelShape
+from rlfw.model.shape import ModelShape
 from rlfw.rollout.engines import LocalEngine
 from rlfw.rollout.types import SamplingParams
 

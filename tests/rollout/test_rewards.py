@@ -110,7 +110,7 @@ def encode(task, text):
 def test_custom_reward_by_target(tmp_path, chat_dir, user_module):
     spec = OmegaConf.create({"_target_": f"{user_module}.keyword", "bonus": 0.25})
     task = make_task(tmp_path, chat_dir, spec)
-    apples, half = task.sample_prompts(2, step_rng(0))
+    apples, half = task.sample_prompts(2, 0, step_rng(0))
     assert task.reward(apples, encode(task, "She has 5.")) == 1.25  # answer found, and "apples" in the prompt
     assert task.reward(apples, encode(task, "She has 4.") + [len(task.tokenizer) + 3]) == 0.25  # padded id: no text
     assert task.reward(half, encode(task, "It is \\frac{1}{2}")) == 1.0
@@ -122,7 +122,7 @@ def test_reward_override_on_the_command_line(chat_dir, user_module):
         cfg = compose("config", overrides=["task=gsm8k", f"task.tokenizer_path={chat_dir}",
                                            "task.reward._target_=my_rewards.keyword", "+task.reward.bonus=0.5"])
     task = instantiate(cfg.task)
-    prompt = task.sample_prompts(1, step_rng(0))[0]
+    prompt = task.sample_prompts(1, 0, step_rng(0))[0]
     assert task.reward(prompt, encode(task, f"{prompt.target}0")) == 1.0  # a substring: math_reward would say 0
 
 
@@ -141,7 +141,7 @@ def test_reward_targets_are_checked_at_start_up(user_module):
 
 def test_raising_reward_stops_naming_the_sample(tmp_path, chat_dir, user_module):
     task = make_task(tmp_path, chat_dir, {"_target_": "my_rewards.explode"})
-    prompt = task.sample_prompts(2, step_rng(1))[1]  # position 3: record 1 of the two
+    prompt = task.sample_prompts(2, 1, step_rng(1))[1]  # position 3: record 1 of the two
     with pytest.raises(RewardError, match=r"reward my_rewards.explode failed on prompt_id=3 \(record 1 of .*d.jsonl\)"
                                           r": ZeroDivisionError: the user's bug"):
         task.reward(prompt, encode(task, "5"))
@@ -150,7 +150,7 @@ def test_raising_reward_stops_naming_the_sample(tmp_path, chat_dir, user_module)
 def test_raising_reward_drops_and_counts(tmp_path, chat_dir, user_module, caplog):
     task = make_task(tmp_path, chat_dir, {"_target_": "my_rewards.explode"}, on_reward_error="drop")
     with caplog.at_level(logging.WARNING):
-        rewards = [task.reward(p, encode(task, "5")) for p in task.sample_prompts(2, step_rng(0))]
+        rewards = [task.reward(p, encode(task, "5")) for p in task.sample_prompts(2, 0, step_rng(0))]
     assert all(math.isnan(r) for r in rewards)  # the RolloutManager drops a group with a non-finite reward
     assert task.num_reward_errors == 2
     assert "prompt_id=1 (record 1" in caplog.text and "task.on_reward_error=drop" in caplog.text
@@ -159,7 +159,7 @@ def test_raising_reward_drops_and_counts(tmp_path, chat_dir, user_module, caplog
 def test_a_reward_that_returns_no_number_is_an_error(tmp_path, chat_dir):
     task = make_task(tmp_path, chat_dir, {"_target_": "builtins.print"})  # returns None
     with pytest.raises(RewardError, match="reward builtins.print failed on prompt_id=0.*TypeError"):
-        task.reward(task.sample_prompts(1, step_rng(0))[0], encode(task, "5"))
+        task.reward(task.sample_prompts(1, 0, step_rng(0))[0], encode(task, "5"))
 
 
 # The task as a Ray actor, the way the RolloutManager holds it: built and called inside an actor's process.
@@ -167,7 +167,7 @@ RemoteTask = ray.remote(num_cpus=0)(DatasetTask)
 
 
 def remote_rewards(actor, task, responses):
-    prompts = ray.get(actor.sample_prompts.remote(len(responses), step_rng(0)))
+    prompts = ray.get(actor.sample_prompts.remote(len(responses), 0, step_rng(0)))
     return ray.get([actor.reward.remote(p, encode(task, r)) for p, r in zip(prompts, responses)])
 
 
@@ -182,7 +182,7 @@ def test_math_reward_in_ray_actors(tmp_path, chat_dir, ray_local):
     kwargs = scorer_kwargs(task, chat_dir, {"_target_": "rlfw.rollout.rewards.math_reward", "timeout_s": 3})
     responses = ["\\boxed{5}", "0.5", "\\boxed{6}", "1/2"]
     want = [1.0, 1.0, 0.0, 1.0]
-    assert [task.reward(p, encode(task, r)) for p, r in zip(task.sample_prompts(4, step_rng(0)), responses)] == want
+    assert [task.reward(p, encode(task, r)) for p, r in zip(task.sample_prompts(4, 0, step_rng(0)), responses)] == want
     # A plain actor runs its methods in the worker's main thread, where math-verify's signal timeouts work.
     assert remote_rewards(RemoteTask.remote(**kwargs), task, responses) == want
     # A threaded actor (the RolloutManager is one) scores in a worker process, with the same results.

@@ -35,7 +35,7 @@ import torch
 
 from rlfw.config import ConfigError, register_configs, validate
 from rlfw.config.schema import SGLangConfig
-from rlfw.megatron.model import ModelShape
+from rlfw.model.shape import ModelShape
 from rlfw.rollout.engines.local import LocalEngine
 from rlfw.rollout.engines.sglang import SGLangEngine, save_server_checkpoint
 from rlfw.rollout.engines.sglang_client import (

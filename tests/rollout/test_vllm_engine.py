@@ -7,7 +7,7 @@ import ray
 import torch
 from engine_helpers import compose_cfg, random_hf_state, shape_of
 
-from rlfw.megatron.hf_checkpoint import save_hf_checkpoint
+from rlfw.model.hf_checkpoint import save_hf_checkpoint
 from rlfw.rollout.engines import LocalEngine, build_engine
 from rlfw.rollout.tasks import CopyTask
 from rlfw.rollout.types import SamplingParams

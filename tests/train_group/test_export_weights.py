@@ -6,7 +6,7 @@ import pytest
 import ray
 from transformers import AutoModelForCausalLM
 
-from rlfw.megatron.hf_convert import hf_config
+from rlfw.model.hf_convert import hf_config
 from rlfw.rollout.manager import padded_vocab_size
 from rlfw.rollout.tasks import CopyTask
 from rlfw.train_group.worker import model_shape

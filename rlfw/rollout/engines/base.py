@@ -10,7 +10,7 @@ of ``Engine``:
   ``softmax(logits / temperature)`` (``softmax(logits)`` when greedy), the distribution the trainer recomputes;
   a backend that reports another one says so in its docstring. Every ``Generation`` carries the engine's
   ``weight_version`` at the time it was produced and its ``seconds``.
-* ``update_weights(hf_state, version)``: load a full state dict with Hugging Face names (``rlfw.megatron.hf_convert
+* ``update_weights(hf_state, version)``: load a full state dict with Hugging Face names (``rlfw.model.hf_convert
   .megatron_to_hf``) and record ``version``. ``update_weights_from_dir(path, version)`` does the same from a HF
   checkpoint directory, for backends that can read one.
 * ``weight_version``: the version of the loaded weights, None before the first update; ``generate`` refuses to run
@@ -41,7 +41,7 @@ import ray
 from torch import Tensor
 
 from rlfw.cluster.labels import parse_labels
-from rlfw.megatron.model import ModelShape
+from rlfw.model.shape import ModelShape
 from rlfw.rollout.types import Generation, SamplingParams
 
 # rollout.backend -> "module:Class" of its engine.

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from rlfw.megatron.hf_convert import hf_config
-from rlfw.megatron.model import ModelShape
+from rlfw.model.hf_convert import hf_config
+from rlfw.model.shape import ModelShape
 from rlfw.rollout.engines.base import Engine
 from rlfw.rollout.engines.handoff import WeightHandoff
 from rlfw.rollout.types import Generation, SamplingParams
@@ -54,7 +54,7 @@ class LocalEngine(Engine):
                 "seed": seed}
 
     def update_weights(self, hf_state: dict[str, Tensor], version: int) -> None:
-        """Load a full HF state dict (see ``rlfw.megatron.hf_convert.megatron_to_hf``); cast to fp32. During a
+        """Load a full HF state dict (see ``rlfw.model.hf_convert.megatron_to_hf``); cast to fp32. During a
         ``generate`` call the call under way loads them before its next decode step, and this returns once it has
         (a partial rollout: see ``generate``)."""
         self._handoff.load(lambda: self._load(hf_state, version), f"weights v{version}")

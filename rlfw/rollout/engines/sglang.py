@@ -53,8 +53,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from rlfw.cluster.address import host_port, resolve
 from rlfw.config.schema import SGLangConfig
-from rlfw.megatron.hf_checkpoint import save_hf_checkpoint
-from rlfw.megatron.model import ModelShape
+from rlfw.model.hf_checkpoint import save_hf_checkpoint
+from rlfw.model.shape import ModelShape
 from rlfw.rollout.engines.base import Engine
 from rlfw.rollout.engines.handoff import WeightHandoff
 from rlfw.rollout.engines.sglang_client import (

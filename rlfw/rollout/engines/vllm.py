@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from rlfw.megatron.hf_checkpoint import save_hf_checkpoint
-from rlfw.megatron.model import ModelShape
+from rlfw.model.hf_checkpoint import save_hf_checkpoint
+from rlfw.model.shape import ModelShape
 from rlfw.cluster.address import interface_of, resolve
 from rlfw.rollout.engines.base import Engine
 from rlfw.rollout.engines.handoff import WeightHandoff

@@ -11,7 +11,7 @@ from typing import Any
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
-from rlfw.config import ConfigError
+from rlfw.errors import ConfigError
 
 RewardFn = Callable[[str, str, str], float]
 

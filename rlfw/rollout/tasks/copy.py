@@ -54,8 +54,9 @@ class CopyTask:
         """The copy plus its ``<eos>``."""
         return self.length + 1
 
-    def sample_prompts(self, n: int, rng: np.random.Generator | None = None) -> list[Prompt]:
-        """``n`` fresh prompts drawn with ``rng``, or with the task's own generator (seeded by ``seed``)."""
+    def sample_prompts(self, n: int, step: int = 0, rng: np.random.Generator | None = None) -> list[Prompt]:
+        """``n`` fresh prompts drawn with ``rng``, or with the task's own generator (seeded by ``seed``); they depend
+        on ``step`` only through ``rng``, which the RolloutManager seeds per step."""
         rng = self._rng if rng is None else rng
         prompts = []
         for symbols in rng.choice(self._symbol_ids, size=(n, self.length)).tolist():

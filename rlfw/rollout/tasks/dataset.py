@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from rlfw.config import ConfigError
+from rlfw.errors import ConfigError
 from rlfw.rollout.rewards import RewardError, load_reward
 from rlfw.rollout.types import Prompt
 
@@ -116,17 +116,6 @@ def _epoch_order(seed: int, epoch: int, size: int, shuffle: bool) -> np.ndarray:
     return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(epoch,))).permutation(size)
 
 
-def _step_of(rng: np.random.Generator) -> int:
-    """The step the RolloutManager seeded ``rng`` for: it draws step ``s`` with ``default_rng([seed, s])``."""
-    entropy = getattr(rng.bit_generator.seed_seq, "entropy", None)
-    if not (isinstance(entropy, list) and len(entropy) == 2 and all(isinstance(x, numbers.Integral) for x in entropy)):
-        raise ValueError(
-            f"DatasetTask.sample_prompts needs the step's generator np.random.default_rng([seed, step]), got one "
-            f"seeded with {entropy!r}"
-        )
-    return int(entropy[1])
-
-
 class DatasetTask:
     """Prompts from ``data_path``, scored by the reward function named in ``reward`` (a ``_target_`` node).
 
@@ -197,13 +186,13 @@ class DatasetTask:
         """Prompts in one epoch: the records that passed the length filter."""
         return len(self._records)
 
-    def sample_prompts(self, n: int, rng: np.random.Generator) -> list[Prompt]:
-        """``n`` prompts of step ``s``, where ``rng`` is the generator the RolloutManager seeded with (seed, s).
+    def sample_prompts(self, n: int, step: int, rng: np.random.Generator) -> list[Prompt]:
+        """``n`` prompts of step ``step``; ``rng`` is the step's generator (the order is the task's own stream).
 
-        A new generator reads the stream from ``s*n``; further calls with the same generator (dynamic sampling's
+        A new generator reads the stream from ``step*n``; further calls with the same generator (dynamic sampling's
         rounds within the step) read on from where the previous call stopped.
         """
-        start = self._cursor[1] if self._cursor and self._cursor[0] is rng else _step_of(rng) * n
+        start = self._cursor[1] if self._cursor and self._cursor[0] is rng else step * n
         self._cursor = (rng, start + n)
         prompts = []
         for position in range(start, start + n):

@@ -31,7 +31,7 @@ from torch import Tensor
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from rlfw.megatron.model import ModelShape
+from rlfw.model.shape import ModelShape
 
 # Megatron modules with ``get_extra_state`` (FP8 metadata and the like) put these non-weight entries in their
 # state dicts; they have no HF counterpart.
@@ -158,7 +158,7 @@ def hf_to_megatron(
     """HF state dict -> tensor-parallel rank ``tp_rank``'s shard of the Megatron ``GPTModel`` state dict.
 
     ``hf_state`` holds full (unsharded) tensors, or lazy ones that read only the slice asked for (see
-    ``rlfw.megatron.hf_checkpoint``), so each rank reads just its share of a large checkpoint. The layout is
+    ``rlfw.model.hf_checkpoint``), so each rank reads just its share of a large checkpoint. The layout is
     Megatron's: a column-parallel weight's rows and a row-parallel weight's columns split into ``tp_size``
     contiguous blocks; the fused qkv takes the rank's query groups from each of q, k and v; the fused fc1 is
     [gate shard; up shard]. With tied embeddings an ``lm_head.weight`` entry (HF's ``state_dict()`` has one,

@@ -22,9 +22,9 @@ from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
-from rlfw.config.validate import ConfigError
-from rlfw.megatron.hf_convert import FAMILIES, LLAMA3_ROPE, check_hf_state, hf_config, hf_to_megatron
-from rlfw.megatron.model import ModelShape
+from rlfw.errors import ConfigError
+from rlfw.model.hf_convert import FAMILIES, LLAMA3_ROPE, check_hf_state, hf_config, hf_to_megatron
+from rlfw.model.shape import ModelShape
 
 _INDEX = "model.safetensors.index.json"
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -181,7 +181,7 @@ def load_hf_weights(path: str | Path, shape: ModelShape, *modules: torch.nn.Modu
 
 def load_tokenizer(path: str | Path):
     """The checkpoint's tokenizer (local files only). Usable as a Hydra ``_target_``:
-    ``tokenizer: {_target_: rlfw.megatron.hf_checkpoint.load_tokenizer, path: ${model.hf_path}}``.
+    ``tokenizer: {_target_: rlfw.model.hf_checkpoint.load_tokenizer, path: ${model.hf_path}}``.
 
     A tokenizer saved under a generic class (``tokenizer.json`` alone holds its pipeline, as with rlfw's task
     tokenizers) loads exactly as saved: ``AutoTokenizer`` would substitute the model family's own class (it does
