@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlfw.cluster.worker_setup import KNOWN_WARNINGS_ENV, setup_process
 from rlfw.config import ConfigError, register_configs, validate
+from rlfw.config.devices import check_gpu_memory, cluster_gpus, local_gpus, samples_per_engine
 from rlfw.ft.errors import BelowMinCellsError, WorldLostError
 from rlfw.loop import NothingToTrainError
 from rlfw.run_files import CONFIG
@@ -64,12 +65,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     from rlfw.rollout.manager import RolloutManager, padded_vocab_size
     from rlfw.train_group.worker import model_shape
 
-    visible_gpus = torch.cuda.device_count() if cfg.cluster.device != "cpu" else None
+    # A local run counts its GPUs now; a cluster's (its driver may have none) once Ray has joined it.
+    visible_gpus = None if cfg.cluster.address else local_gpus(cfg)
     if cfg.model.hf_path:  # the unset architecture keys come from the checkpoint's config.json
         from rlfw.model.hf_checkpoint import fill_model_config
 
         fill_model_config(cfg.model)
-    validate(cfg, num_devices=visible_gpus or None)
+    validate(cfg, num_devices=visible_gpus)
     try:  # a bad task target, argument or dataset file fails here, before Ray starts
         task = instantiate(cfg.task)
     except InstantiationException as e:
@@ -78,6 +80,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     if len(task.tokenizer) > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the task's tokenizer ({len(task.tokenizer)})")
     shape = model_shape(cfg, vocab_size)
+    if visible_gpus:  # the smallest GPU must hold the placement's larger phase
+        check_gpu_memory(cfg, shape, min(torch.cuda.get_device_properties(i).total_memory
+                                         for i in range(visible_gpus)), samples_per_engine(cfg))
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run_dir = str(run_dir.resolve())  # workers write the fault markers and checkpoints under it
     resume = resolve_resume(cfg.resume, Path(cfg.checkpoint.dir or run_dir / "checkpoints"))
@@ -94,6 +99,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     meter = GoodputMeter.for_run(run_dir, run_started(run_dir, restarting, started), restarting)
 
     start_ray(cfg.cluster, known_warnings_log=str(known_warnings))
+    if cfg.cluster.address:
+        try:
+            validate(cfg, num_devices=cluster_gpus(cfg, ray.cluster_resources()))
+        except ConfigError:
+            stop_ray()
+            raise
     log.info("known harmless start-up warnings (no Apex or Transformer Engine on this machine, etc.) go to %s",
              known_warnings)
     loggers = build_loggers(

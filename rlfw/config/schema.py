@@ -31,6 +31,9 @@ class ClusterConfig:
     device: str = "auto"  # auto | cpu | cuda
     # GPUs of each trainer rank (CUDA): 1, or a share (0.5: two one-rank cells on one GPU, their torchft group on Gloo)
     gpus_per_worker: float = 1.0
+    # separate: engines on GPUs of their own (rollout.gpus_per_engine each); colocated: engines on the trainers' GPUs,
+    # memory handed over between generation and training (rlfw.train_group.offload; README says which to pick)
+    placement: str = "separate"
 
 
 @dataclass
@@ -95,6 +98,11 @@ class RolloutConfig:
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts instead
     max_oversample_rounds: int = 3  # dynamic_sampling: extra sampling rounds per step; then train on what was kept
     kv_cache_gb: float = 0.5  # vllm: CPU memory of each engine's KV cache
+    # local, CUDA: sequences decoded together (continuous batching: a finished one's slot takes the next request);
+    # 0 = every request of a call at once. Sizes the key-value cache (rlfw.config.devices checks it fits)
+    max_batch: int = 0
+    cuda_graphs: bool = True  # local, CUDA: replay the decode step as CUDA graphs (off: eager, for comparison)
+    gpus_per_engine: float = 1.0  # local, CUDA, cluster.placement=separate: Ray GPUs of each engine
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # rollout=sglang only
 
 

@@ -55,6 +55,24 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
             f"needs {ranks * share:g} GPUs but {num_devices} are visible; lower {key} or dp.tp, share GPUs "
             "(cluster.gpus_per_worker=0.5, cells only), or use cluster.device=cpu"
         )
+    _choice("cluster.placement", cfg.cluster.placement, {"separate", "colocated"})
+    _positive("rollout.gpus_per_engine", cfg.rollout.gpus_per_engine)
+    _positive("rollout.max_batch", cfg.rollout.max_batch, allow_zero=True)
+    if cfg.cluster.placement == "colocated" and cfg.loop.mode == "async":
+        raise ConfigError(
+            "cluster.placement=colocated hands the GPU's memory between generation and training, which loop=async "
+            "runs at the same time; use loop=sync, or cluster.placement=separate (engines and trainers may still "
+            "share a GPU through shares: cluster.gpus_per_worker=0.5 rollout.gpus_per_engine=0.5)"
+        )
+    engine_gpus = cfg.rollout.num_engines * cfg.rollout.gpus_per_engine
+    if (num_devices is not None and cfg.rollout.backend == "local" and cfg.cluster.placement == "separate"
+            and ranks * share + engine_gpus > num_devices):
+        raise ConfigError(
+            f"cluster.placement=separate: {ranks * share:g} GPUs of trainer ranks plus rollout.num_engines="
+            f"{cfg.rollout.num_engines} x rollout.gpus_per_engine={cfg.rollout.gpus_per_engine:g} need "
+            f"{ranks * share + engine_gpus:g} GPUs but {num_devices} are visible; use cluster.placement=colocated "
+            "(engines on the trainers' GPUs, memory handed over between phases) or lower those keys"
+        )
     if cfg.model.num_attention_heads % cfg.dp.tp or cfg.model.num_query_groups % cfg.dp.tp:
         raise ConfigError(
             f"dp.tp={cfg.dp.tp} must divide model.num_attention_heads={cfg.model.num_attention_heads} "

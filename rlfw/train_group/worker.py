@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from contextlib import nullcontext
 from typing import Any, Dict, List, Optional, Tuple
 
 import ray
@@ -88,6 +89,7 @@ class TrainerWorker:
         self.store = None
         self.trainer = None
         self.sync = None
+        self.offload = None  # cluster.placement=colocated: the optimizer state and grads off the GPU between calls
 
     def serve_store(self) -> Tuple[str, int]:
         """Rank 0 owns the world's store; the others connect to the address it returns (its node's: a classic
@@ -127,6 +129,12 @@ class TrainerWorker:
             path = self.load_from if self.role == "actor" else f"{self.load_from}/critic"
             self.cursor.update(load_state(path, self.trainer)["cursor"])
             self.sync.restore(self.cursor["optimizer_steps"])
+        if self.cfg.cluster.placement == "colocated":
+            from rlfw.megatron.offload import trainer_offload
+
+            # the engine generates first: the state is on the device inside train calls and saves only
+            self.offload = trainer_offload(self.trainer)
+            self.offload.release()
         return self.sync.replica_id
 
     def _recompute(self) -> Dict[str, Any]:
@@ -174,8 +182,22 @@ class TrainerWorker:
             self.trainer.zero_grad()
             return forward_backward(self.trainer, part, self.faults, part.meta["step"])
 
-        return train_call(self.sync, self, minibatches, lambda mb: mb.meta, self._take_part, train_part,
-                          self.trainer.optimizer_step)
+        if self.offload is None:
+            return train_call(self.sync, self, minibatches, lambda mb: mb.meta, self._take_part, train_part,
+                              self.trainer.optimizer_step)
+        # colocated: the state comes back for the call and leaves after it, while the engine generates
+        released = self.offload.last
+        self.offload.restore()
+        try:
+            records = train_call(self.sync, self, minibatches, lambda mb: mb.meta, self._take_part, train_part,
+                                 self.trainer.optimizer_step)
+        finally:
+            self.offload.release()
+        for record in records[:1]:  # the handover's cost: the previous release and this call's restore
+            record.update({"time/state_release": released.get("release_s", 0.0),
+                           "time/state_restore": released.get("restore_s", 0.0),
+                           "offload/released_gib": released.get("released_gib", 0.0)})
+        return records
 
     def _take_part(self, minibatch, replica: int, num_replicas: int):
         """This replica's share, and the sample ids of every participant's share (the split is deterministic, so
@@ -210,7 +232,7 @@ class TrainerWorker:
 
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per thread
-        with self.state_lock:
+        with self.state_lock, self.offload.resident() if self.offload is not None else nullcontext():
             save_state(path, self.trainer, {"step": step, "cursor": dict(self.cursor)})
         self.faults.maybe_fault("checkpoint_save", step - 1)  # written, not yet committed
 

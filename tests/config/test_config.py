@@ -162,3 +162,44 @@ def test_a_dataset_that_cannot_be_read_is_a_config_error_naming_the_file(monkeyp
     with pytest.raises(ConfigError, match=r"DatasetTask could not be built: .*" + message):
         _train_without_ray(monkeypatch, tmp_path, "task=gsm8k", f"task.data_path={data}",
                            f"task.tokenizer_path={build_chat_tokenizer(tmp_path / 'tokenizer')}")
+
+
+def test_cuda_without_a_gpu_fails_before_ray_naming_the_key(monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # what a machine without a GPU reports
+    with pytest.raises(ConfigError, match=r"cluster\.device=cuda but this machine has no GPU .*device_count\(\)=0"):
+        _train_without_ray(monkeypatch, tmp_path, "cluster.device=cuda")
+
+
+def test_cuda_on_a_cluster_without_gpus_names_the_key():
+    from rlfw.config.devices import cluster_gpus
+
+    cfg = load("cluster.device=cuda", "cluster.address=10.0.0.1:6379")
+    with pytest.raises(ConfigError, match=r"cluster\.device=cuda but the Ray cluster at .* reports no GPU"):
+        cluster_gpus(cfg, {"CPU": 64.0, "memory": 1e11})
+    assert cluster_gpus(cfg, {"CPU": 64.0, "GPU": 8.0}) == 8
+    assert cluster_gpus(load("cluster.device=cpu"), {"GPU": 8.0}) is None
+
+
+def test_separate_engines_need_gpus_of_their_own():
+    cfg = load("dp.num_cells=2", "rollout.num_engines=1")
+    with pytest.raises(ConfigError, match=r"cluster\.placement=separate: 2 GPUs .* need 3 GPUs but 2"):
+        validate(cfg, num_devices=2)
+    validate(load("dp.num_cells=2", "cluster.placement=colocated"), num_devices=2)
+
+
+def test_a_placement_that_cannot_fit_the_gpu_names_sizes_and_keys():
+    from rlfw.config.devices import GIB, check_gpu_memory, num_params
+    from rlfw.model.shape import ModelShape
+
+    qwen2_1p5b = ModelShape(num_layers=28, hidden_size=1536, num_attention_heads=12, num_query_groups=2,
+                            ffn_hidden_size=8960, vocab_size=151936, max_seq_len=2048, qkv_bias=True,
+                            tie_word_embeddings=True)
+    assert abs(num_params(qwen2_1p5b) - 1_543_714_304) < 1e6  # Qwen2-1.5B's published count
+    two_cells = ("dp.num_cells=2", "cluster.gpus_per_worker=0.5", "cluster.placement=colocated")
+    with pytest.raises(ConfigError, match=r"a GPU of 40\.0 GiB cannot hold this run's training phase: it needs 54\.6"
+                                          r".*cluster\.gpus_per_worker=0\.5.*rollout\.max_batch"):
+        check_gpu_memory(load(*two_cells), qwen2_1p5b, 40 * GIB, samples_per_engine=512)
+    budget = check_gpu_memory(load(*two_cells), qwen2_1p5b, 80 * GIB, samples_per_engine=512)
+    assert budget.generate < budget.train  # the optimizer state left the GPU while the engine generates

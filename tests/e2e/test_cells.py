@@ -61,14 +61,18 @@ def test_tensor_parallel_cells_match_classic(reference_run, run):
     TP=2 splits each matmul's reduction over two ranks: the same sums in another order, so losses agree with the
     TP=1 reference to fp32 round-off; Adam's first steps move a weight by about lr * sign(grad), so where a
     gradient is near zero the round-off can flip a step: measured 1.4e-5 after 2 steps, against lr = 1e-3 that a
-    wrong gradient would show."""
+    wrong gradient would show. The cells run colocated (``cluster.placement=colocated``): their optimizer state
+    and gradient buffers leave between train calls (on CPU: to another host buffer, the storage freed) and come
+    back for each call and for the step-2 checkpoint; state that came back wrong would move step 2's weights by
+    about lr, past the bound below."""
     cells = run("cells", "dp=cells", "dp.num_cells=2", "dp.tp=2", "num_steps=2", "ft.verify_weights_every=1",
-                "checkpoint.interval=2")
+                "checkpoint.interval=2", "cluster.placement=colocated")
     tp1 = reference_run(*CLASSIC2)
     for a, b in zip(read_jsonl(cells / "metrics.jsonl"), read_jsonl(tp1 / "metrics.jsonl")):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-8)
         # the engines got the gathered TP shards: their log-probs match the trainer's
         assert a["rollout/logprob_abs_diff"] < 1e-4
+        assert a["train/offload/released_gib"] > 0  # the handover ran
     for entry in read_jsonl(cells / "ledger.jsonl"):  # each cell's digest covers both of its TP ranks' shards
         assert len(entry["weight_digests"]) == 2 and len(set(entry["weight_digests"].values())) == 1
     assert max_abs_diff(final_model(cells), checkpoint_model(tp1, 2)) < 1e-4

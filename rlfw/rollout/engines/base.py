@@ -103,14 +103,27 @@ def engine_seed(cfg, index: int, incarnation: int) -> int:
     return cfg.seed * 1000 + index + cfg.rollout.num_engines * incarnation
 
 
+def engine_gpus(cfg) -> float:
+    """Ray GPUs of one local engine: ``rollout.gpus_per_engine`` on CUDA with ``cluster.placement=separate``; none
+    on CPU, or colocated, where the engine shares the trainers' GPUs by handing memory over between phases (Ray
+    cannot account for that, and leaves an actor without GPUs every device of its node to see)."""
+    if cfg.rollout.backend != "local" or cfg.cluster.placement == "colocated" or cfg.cluster.device == "cpu":
+        return 0.0
+    if cfg.cluster.device == "auto" and not ray.cluster_resources().get("GPU"):
+        return 0.0
+    return cfg.rollout.gpus_per_engine
+
+
 def build_engine(cfg, shape: ModelShape, tokenizer, index: int, incarnation: int = 0):
-    """Start engine ``index`` (its ``incarnation``-th start) as a Ray actor with ``rollout.cpus_per_engine`` CPUs;
-    one that supports partial rollouts takes a weight update (or a health check) beside a generate call."""
+    """Start engine ``index`` (its ``incarnation``-th start) as a Ray actor with ``rollout.cpus_per_engine`` CPUs
+    (and ``engine_gpus``); one that supports partial rollouts takes a weight update (or a health check) beside a
+    generate call."""
     cls = engine_class(cfg.rollout.backend)
     workdir = Path(cfg.run_dir or ".") / "rollout" / f"engine_{index}"
     kwargs = cls.init_kwargs(cfg, shape, tokenizer, engine_seed(cfg, index, incarnation), workdir)
     selector = parse_labels(cfg.rollout.engine_label_selector) or None
-    return ray.remote(cls).options(num_cpus=cfg.rollout.cpus_per_engine, label_selector=selector,
+    return ray.remote(cls).options(num_cpus=cfg.rollout.cpus_per_engine, num_gpus=engine_gpus(cfg),
+                                   label_selector=selector,
                                    max_concurrency=2 if cls.supports_partial_rollout else 1).remote(**kwargs)
 
 

@@ -5,6 +5,10 @@ It serves small policies on CPU (tests, the CPU smoke runs) and is the reference
 against, so the loop is written out rather than delegated to ``generate()``: what a logprob means, how top-p
 cuts and when a sequence stops are all decided here, in one place. It is a plain class implementing
 ``rlfw.rollout.engines.base.Engine``; wrapping it as a Ray actor happens in the engine factory.
+
+Two decoders share that sampling: ``lockstep`` (the CPU default) decodes a call's prompts as one left-padded batch
+until the last one stops; ``slots`` (the CUDA default, ``rlfw.rollout.engines.slots``) decodes them by continuous
+batching over a fixed-slot cache with CUDA graphs, in bf16. On CUDA the engine runs in bf16; on CPU in fp32.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from rlfw.model.hf_convert import hf_config
 from rlfw.model.shape import ModelShape
 from rlfw.rollout.engines.base import Engine
 from rlfw.rollout.engines.handoff import WeightHandoff
+from rlfw.rollout.engines.slots import ATTENTION, SlotDecoder, run_slots
 from rlfw.rollout.types import Generation, SamplingParams
 
 
@@ -36,13 +41,30 @@ class LocalEngine(Engine):
         pad_token_id: int,
         seed: int,
         device: str | torch.device = "cpu",
+        decoder: str = "auto",
+        max_batch: int = 0,
+        cuda_graphs: bool = True,
+        release_cache: bool = False,
     ) -> None:
+        """``device``: cpu, cuda, or auto (cuda when torch sees a GPU); ``decoder``: lockstep | slots | auto (slots on
+        CUDA); ``max_batch``: slots of the slots decoder (0: a call's requests at once); ``release_cache``: free
+        the slots decoder's cache after each call (colocated with a trainer, which needs the memory meanwhile)."""
         self.shape = shape
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        on_cuda = self.device.type == "cuda"
+        self.decoder = ("slots" if on_cuda else "lockstep") if decoder == "auto" else decoder
+        if self.decoder not in ("lockstep", "slots"):
+            raise ValueError(f"decoder={decoder!r} is not one of lockstep, slots, auto")
+        self.max_batch, self.cuda_graphs, self.release_cache = max_batch, cuda_graphs, release_cache
         # The HF class of the policy's family (hf_config picks Llama, Qwen2 or Qwen3 from the shape).
-        self.model = AutoModelForCausalLM.from_config(hf_config(shape)).to(self.device, torch.float32).eval()
+        attention = {"attn_implementation": ATTENTION} if self.decoder == "slots" else {}
+        dtype = torch.bfloat16 if on_cuda else torch.float32
+        self.model = AutoModelForCausalLM.from_config(hf_config(shape), **attention).to(self.device, dtype).eval()
+        self._slots: SlotDecoder | None = None  # the slots decoder's cache and graphs, kept between calls
         # Policy version of the loaded weights; None until the first update_weights.
         self.weight_version: int | None = None
         self._generator = torch.Generator(self.device).manual_seed(seed)
@@ -50,11 +72,14 @@ class LocalEngine(Engine):
 
     @classmethod
     def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, workdir: Path) -> dict[str, Any]:
+        rollout = cfg.rollout
         return {"shape": shape, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-                "seed": seed}
+                "seed": seed, "device": cfg.cluster.device, "max_batch": rollout.max_batch,
+                "cuda_graphs": rollout.cuda_graphs, "release_cache": cfg.cluster.placement == "colocated"}
 
     def update_weights(self, hf_state: dict[str, Tensor], version: int) -> None:
-        """Load a full HF state dict (see ``rlfw.model.hf_convert.megatron_to_hf``); cast to fp32. During a
+        """Load a full HF state dict (see ``rlfw.model.hf_convert.megatron_to_hf``) into the model's own tensors
+        (cast to its dtype; CUDA graphs stay valid). During a
         ``generate`` call the call under way loads them before its next decode step, and this returns once it has
         (a partial rollout: see ``generate``)."""
         self._handoff.load(lambda: self._load(hf_state, version), f"weights v{version}")
@@ -83,17 +108,41 @@ class LocalEngine(Engine):
             return []
         self._check_lengths(prompts, params)
         started = time.perf_counter()
+        if params.seed is not None:
+            self._generator.manual_seed(params.seed)
         with self._handoff.generating():
+            if self.decoder == "slots":
+                return self._decode_slots(prompts, params, started)
             return self._decode(prompts, params, started)
+
+    def _decode_slots(self, prompts: list[list[int]], params: SamplingParams, started: float) -> list[Generation]:
+        out = _Responses(len(prompts))
+        slots = min(len(prompts), self.max_batch or len(prompts))
+        length = max(len(prompt) for prompt in prompts) + params.max_new_tokens
+        if self._slots is None or self._slots.slots < slots or self._slots.length < length:
+            self.release_memory()
+            self._slots = SlotDecoder(self.model, slots, length, self.cuda_graphs)
+
+        def on_token(request: int, token: int, logprob: float) -> None:
+            out.add(request, token, logprob, self.weight_version, time.perf_counter() - started)
+
+        try:
+            run_slots(self._slots, prompts, params.max_new_tokens, self.eos_token_id, self.pad_token_id,
+                      lambda logits: self._sample(logits, params), on_token, self._handoff.take)
+        finally:
+            if self.release_cache:
+                self.release_memory()
+        return out.generations(self.eos_token_id)
+
+    def release_memory(self) -> None:
+        """Free the slots decoder's key-value cache and CUDA graphs (the next call builds them again)."""
+        self._slots = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams, started: float) -> list[Generation]:
         batch = len(prompts)
-        responses: list[list[int]] = [[] for _ in range(batch)]
-        logprobs: list[list[float]] = [[] for _ in range(batch)]
-        versions: list[list[int]] = [[] for _ in range(batch)]
-        seconds = [0.0] * batch
-        if params.seed is not None:
-            self._generator.manual_seed(params.seed)
+        out = _Responses(batch)
         prompt_ids, prompt_mask = self._left_pad(prompts)
         decoded: list[Tensor] = []  # the token fed back at each step (pads for finished rows): the cache's input
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
@@ -106,10 +155,7 @@ class LocalEngine(Engine):
                 zip(tokens.tolist(), token_logprobs.tolist(), finished.tolist())
             ):
                 if not done:
-                    responses[i].append(token)
-                    logprobs[i].append(logprob)
-                    versions[i].append(self.weight_version)
-                    seconds[i] = time.perf_counter() - started
+                    out.add(i, token, logprob, self.weight_version, time.perf_counter() - started)
             finished |= tokens == self.eos_token_id
             if finished.all() or step + 1 == params.max_new_tokens:
                 break
@@ -121,13 +167,7 @@ class LocalEngine(Engine):
             logits = self._next_token_logits(tokens[:, None], attention_mask, next_position, cache)
             next_position = next_position + 1
 
-        return [
-            Generation(
-                response, lps, "stop" if response[-1] == self.eos_token_id else "length", vers[0], secs,
-                token_versions=vers,
-            )
-            for response, lps, vers, secs in zip(responses, logprobs, versions, seconds)
-        ]
+        return out.generations(self.eos_token_id)
 
     def _prefill(
         self, prompt_ids: Tensor, prompt_mask: Tensor, decoded: list[Tensor]
@@ -188,6 +228,29 @@ class LocalEngine(Engine):
                 probs = _top_p_filter(probs, params.top_p)
             tokens = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class _Responses:
+    """What a call has sampled so far, per request: tokens, their log-probs and versions, the seconds to the last."""
+
+    def __init__(self, count: int) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(count)]
+        self.logprobs: list[list[float]] = [[] for _ in range(count)]
+        self.versions: list[list[int]] = [[] for _ in range(count)]
+        self.seconds = [0.0] * count
+
+    def add(self, request: int, token: int, logprob: float, version: int, seconds: float) -> None:
+        self.tokens[request].append(token)
+        self.logprobs[request].append(logprob)
+        self.versions[request].append(version)
+        self.seconds[request] = seconds
+
+    def generations(self, eos_token_id: int) -> list[Generation]:
+        return [
+            Generation(response, lps, "stop" if response[-1] == eos_token_id else "length", vers[0], secs,
+                       token_versions=vers)
+            for response, lps, vers, secs in zip(self.tokens, self.logprobs, self.versions, self.seconds)
+        ]
 
 
 def _top_p_filter(probs: Tensor, top_p: float) -> Tensor:

@@ -1,0 +1,129 @@
+"""Which GPUs a run has, and whether its placement fits them: checked before the first step, never found out by a
+wait that times out or an out-of-memory crash mid-run.
+
+A local run counts the GPUs torch sees before Ray starts; a run on a cluster, whose driver node may have none,
+counts the GPUs Ray reports once it has joined. ``cluster.device=cuda`` with none is an error naming the key and
+what was seen; ``auto`` then means CPU.
+
+The memory check is arithmetic over the model's shape (``state_bytes``): a trainer rank holds its bf16 weights,
+fp32 master weights, fp32 gradient buffer and Adam's two moments (18 bytes a parameter, over its tensor-parallel
+share); an engine holds bf16 weights and a key-value cache for ``rollout.max_batch`` sequences of
+``model.max_seq_len`` tokens. With ``cluster.placement=colocated`` the trainer's optimizer state and gradients
+leave the GPU while the engine generates and the engine's cache is freed while the trainer trains
+(``rlfw.train_group.offload``, the engine's own cache), so the larger phase is what must fit; separate placement puts engines on GPUs of
+their own. Activations are not counted: the check refuses placements that cannot fit, it does not promise that
+one that passes will.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from rlfw.errors import ConfigError
+from rlfw.model.shape import ModelShape
+
+GIB = 1 << 30
+TRAIN_BYTES_PER_PARAM = 18  # bf16 weight 2 + fp32 master 4 + fp32 main grad 4 + Adam moments 8
+RESIDENT_TRAIN_BYTES_PER_PARAM = 6  # colocated, while the engine generates: bf16 weight + fp32 master stay
+
+
+def num_params(shape: ModelShape) -> int:
+    """Parameters of the policy (embedding, layers, final norm, output layer unless tied)."""
+    h, kv = shape.hidden_size, shape.num_query_groups * shape.head_dim
+    q = shape.num_attention_heads * shape.head_dim
+    attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if shape.qkv_bias else 0)
+    attention += 2 * shape.head_dim if shape.qk_layernorm else 0
+    layer = attention + 3 * h * shape.ffn_hidden_size + 2 * h
+    embedding = shape.vocab_size * h
+    return embedding * (1 if shape.tie_word_embeddings else 2) + shape.num_layers * layer + h
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2) -> int:
+    return 2 * shape.num_layers * shape.num_query_groups * shape.head_dim * dtype_bytes
+
+
+def local_gpus(cfg) -> int | None:
+    """GPUs of a local run (before Ray starts): the count torch sees, None when the run is on CPU. Raises
+    ConfigError for ``cluster.device=cuda`` without one."""
+    if cfg.cluster.device == "cpu":
+        return None
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0 and cfg.cluster.device == "cuda":
+        raise ConfigError(
+            "cluster.device=cuda but this machine has no GPU that torch can use (torch.cuda.device_count()=0, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}, torch "
+            f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use cluster.device=cpu (or auto)"
+        )
+    return count or None
+
+
+def cluster_gpus(cfg, resources: dict) -> int | None:
+    """GPUs of a run on a cluster, from Ray's ``cluster_resources()``; None when the run is on CPU. Raises
+    ConfigError for ``cluster.device=cuda`` on a cluster that reports none."""
+    count = int(resources.get("GPU", 0))
+    if cfg.cluster.device == "cuda" and count == 0:
+        raise ConfigError(
+            f"cluster.device=cuda but the Ray cluster at cluster.address={cfg.cluster.address} reports no GPU "
+            f"(its resources: CPU {resources.get('CPU', 0):g}, GPU 0, {len(resources)} kinds); start the GPU "
+            "nodes with `ray start` on each, or use cluster.device=cpu"
+        )
+    if cfg.cluster.device == "cpu":
+        return None
+    return count or None
+
+
+def samples_per_engine(cfg) -> int:
+    """The most samples one engine call decodes: its share of a step, or ``rollout.max_inflight_requests``."""
+    share = -(-cfg.rollout.num_prompts * cfg.rollout.n_samples_per_prompt // cfg.rollout.num_engines)
+    return min(share, cfg.rollout.max_inflight_requests or share)
+
+
+@dataclass
+class GpuBudget:
+    """The bytes one GPU must hold in each phase of a step."""
+
+    train: int
+    generate: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.train, self.generate)
+
+
+def gpu_budget(cfg, shape: ModelShape, samples_per_engine: int) -> GpuBudget:
+    """The most bytes any one GPU holds in each phase under ``cluster.placement`` (see the module docstring)."""
+    params = num_params(shape)
+    rank_share = params // cfg.dp.tp
+    ranks_per_gpu = max(1, round(1 / cfg.cluster.gpus_per_worker))
+    engine_weights = 2 * params
+    max_batch = cfg.rollout.max_batch or samples_per_engine
+    kv_cache = kv_bytes_per_token(shape) * shape.max_seq_len * max_batch
+    trainers = ranks_per_gpu * rank_share
+    if cfg.cluster.placement == "colocated":
+        return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM + engine_weights,
+                         generate=trainers * RESIDENT_TRAIN_BYTES_PER_PARAM + engine_weights + kv_cache)
+    return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM, generate=engine_weights + kv_cache)
+
+
+def check_gpu_memory(cfg, shape: ModelShape, gpu_bytes: int, samples_per_engine: int) -> GpuBudget:
+    """Raise ConfigError when a phase of the step cannot fit a GPU of ``gpu_bytes``, naming sizes and keys."""
+    budget = gpu_budget(cfg, shape, samples_per_engine)
+    params = num_params(shape)
+    if budget.peak > gpu_bytes:
+        phase = "training" if budget.train >= budget.generate else "generation"
+        raise ConfigError(
+            f"a GPU of {gpu_bytes / GIB:.1f} GiB cannot hold this run's {phase} phase: it needs "
+            f"{budget.peak / GIB:.1f} GiB before activations (model of {params / 1e9:.2f} B parameters; training "
+            f"{budget.train / GIB:.1f} GiB: {TRAIN_BYTES_PER_PARAM} bytes a parameter per rank, "
+            f"{max(1, round(1 / cfg.cluster.gpus_per_worker))} rank(s) a GPU at cluster.gpus_per_worker="
+            f"{cfg.cluster.gpus_per_worker:g}, dp.tp={cfg.dp.tp}; generation {budget.generate / GIB:.1f} GiB: "
+            f"bf16 weights and a key-value cache of rollout.max_batch={cfg.rollout.max_batch or samples_per_engine} "
+            f"sequences x model.max_seq_len={shape.max_seq_len} tokens) under cluster.placement="
+            f"{cfg.cluster.placement}; raise dp.tp, give each rank a whole GPU (cluster.gpus_per_worker=1), lower "
+            "rollout.max_batch or model.max_seq_len"
+            + (", or use cluster.placement=colocated" if cfg.cluster.placement == "separate" else "")
+        )
+    return budget
