@@ -100,7 +100,8 @@ def step_metrics(results: Dict[int, List[Dict[str, Any]]], prefix: str) -> Dict[
     m["train/num_tokens"] = sum(m[f"{prefix}/{r}/num_tokens"] for r in results)
     m["train/optimizer_steps"] = num_steps
     for key in ("time/quorum", "time/forward_backward", "time/reduce_and_vote",  # where a replica's step goes
-                "time/state_release", "time/state_restore", "offload/released_gib"):  # cluster.placement=colocated
+                "time/state_release", "time/state_restore", "offload/released_gib",  # cluster.placement=colocated
+                "gpu/train_peak_gib"):
         values = [s[key] for steps in results.values() for s in steps if key in s]
         if values:
             m[f"train/{key}"] = float(np.mean(values))

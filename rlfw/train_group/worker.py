@@ -182,9 +182,11 @@ class TrainerWorker:
             self.trainer.zero_grad()
             return forward_backward(self.trainer, part, self.faults, part.meta["step"])
 
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         if self.offload is None:
-            return train_call(self.sync, self, minibatches, lambda mb: mb.meta, self._take_part, train_part,
-                              self.trainer.optimizer_step)
+            return self._with_peak(train_call(self.sync, self, minibatches, lambda mb: mb.meta, self._take_part,
+                                              train_part, self.trainer.optimizer_step))
         # colocated: the state comes back for the call and leaves after it, while the engine generates
         released = self.offload.last
         self.offload.restore()
@@ -197,6 +199,13 @@ class TrainerWorker:
             record.update({"time/state_release": released.get("release_s", 0.0),
                            "time/state_restore": released.get("restore_s", 0.0),
                            "offload/released_gib": released.get("released_gib", 0.0)})
+        return self._with_peak(records)
+
+    def _with_peak(self, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """The call's peak GPU memory (allocated by this process) in its first record."""
+        if self.device.type == "cuda":
+            for record in records[:1]:
+                record["gpu/train_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return records
 
     def _take_part(self, minibatch, replica: int, num_replicas: int):

@@ -19,6 +19,7 @@ group's query heads into one SDPA call over the cache as it lies (no grouped-que
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 
@@ -28,6 +29,7 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+log = logging.getLogger("rlfw.rollout")
 ATTENTION = "rlfw_slots"
 WIDTH_STEP = 256  # attention width buckets (columns); each (batch, width) bucket is one CUDA graph
 MIN_BATCH = 8  # the smallest decode batch bucket
@@ -110,7 +112,8 @@ class SlotDecoder:
         param = next(model.parameters())
         self.model, self.device = model, param.device
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.cache = SlotCache(config.num_hidden_layers, slots, config.num_key_value_heads, length, head_dim,
+        # one column past ``length``: the scratch column that a graph's warm-up writes, never attended to
+        self.cache = SlotCache(config.num_hidden_layers, slots, config.num_key_value_heads, length + 1, head_dim,
                                param.dtype, self.device)
         self.slots, self.length = slots, length
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
@@ -118,7 +121,7 @@ class SlotDecoder:
         self.ids = torch.zeros(slots, 1, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(slots, 1, dtype=torch.long, device=self.device)
         self.columns = torch.zeros(slots, dtype=torch.long, device=self.device)
-        self._arange = torch.arange(length, device=self.device)
+        self._arange = torch.arange(length + 1, device=self.device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
@@ -155,7 +158,12 @@ class SlotDecoder:
         if not self.cuda_graphs:
             return self._decode_step(b, w)
         if (b, w) not in self._graphs:
-            self._graphs[(b, w)] = self._capture(b, w)
+            try:
+                self._graphs[(b, w)] = self._capture(b, w)
+            except RuntimeError as e:  # the step still runs, eagerly; said once, with the cause
+                log.warning("the decode step could not be captured as a CUDA graph (%s); it runs eagerly", e)
+                self.cuda_graphs = False
+                return self._decode_step(b, w)
         graph, logits = self._graphs[(b, w)]
         graph.replay()
         return logits
@@ -167,15 +175,17 @@ class SlotDecoder:
         return self._logits(self.ids[:b], mask, self.positions[:b], None)
 
     def _capture(self, b: int, w: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        # The warm-up runs (the capture only records): it writes the scratch column of slots that hold live
+        # sequences, whose own columns it must not touch.
         saved = [t.clone() for t in (self.ids, self.positions, self.columns)]
-        self.ids[:b].zero_(), self.positions[:b].zero_(), self.columns[:b].zero_()  # warm-up writes go to column 0
+        self.ids[:b].zero_(), self.positions[:b].zero_(), self.columns[:b].fill_(self.length)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._decode_step(b, w)  # warm-up: lazy initialisation, autotuning, off the graph
+            self._decode_step(b, w)  # warm-up: lazy initialisation, kernel selection, off the graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._decode_step(b, w)
         for t, s in zip((self.ids, self.positions, self.columns), saved):
             t.copy_(s)
