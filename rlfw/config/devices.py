@@ -105,6 +105,9 @@ def gpu_budget(cfg, shape: ModelShape, samples_per_engine: int) -> GpuBudget:
     if cfg.cluster.placement == "colocated":
         return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM + engine_weights,
                          generate=trainers * RESIDENT_TRAIN_BYTES_PER_PARAM + engine_weights + kv_cache)
+    if cfg.cluster.gpus_per_worker < 1 or cfg.rollout.gpus_per_engine < 1:  # Ray may put both on one GPU
+        both = trainers * TRAIN_BYTES_PER_PARAM + engine_weights + kv_cache
+        return GpuBudget(train=both, generate=both)
     return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM, generate=engine_weights + kv_cache)
 
 
