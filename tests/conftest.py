@@ -1,7 +1,9 @@
 """Shared test setup: nothing leaves the machine, and worker processes stay single-threaded.
 
 Every test that needs Ray shares one local instance (``shared_ray``): Ray's start-up is paid once per session.
-End-to-end tests run after every fast test, so the fast ones report first.
+End-to-end tests run after every fast test, so the fast ones report first. Nothing the session started outlives
+it: every process it starts inherits a mark in its environment, and one still running when the session ends (a
+Ray worker, an engine's server, a scorer) fails the session, named, and is killed.
 """
 
 import os
@@ -13,6 +15,8 @@ os.environ.setdefault("WANDB_BASE_URL", "http://127.0.0.1:9")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+SESSION_MARK = "RLFW_TEST_SESSION"
+os.environ[SESSION_MARK] = str(os.getpid())  # inherited by every process the session starts, Ray's included
 
 import pytest
 
@@ -21,6 +25,24 @@ E2E_DIR = Path(__file__).parent / "e2e"
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)  # stable: fast tests first
+
+
+LEFTOVER_GRACE_S = 30.0  # processes told to stop as the session's Ray shut down are given this long to exit
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """After every fixture's teardown (the shared Ray's shutdown included): fail the session if a process it
+    started is still running, and kill it."""
+    from process_marks import leftover_processes
+
+    leftovers = leftover_processes(SESSION_MARK, os.environ[SESSION_MARK], LEFTOVER_GRACE_S)
+    if leftovers:
+        names = ", ".join(f"{p.pid} {' '.join(p.cmdline())[:80]!r}" for p in leftovers)
+        session.config.get_terminal_writer().line(
+            f"FAILED: {len(leftovers)} processes the test session started outlived it (killed now): {names}", red=True)
+        for process in leftovers:
+            process.kill()
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -14,17 +14,16 @@ workers are started from one thread kept for the process' life, never from the c
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import multiprocessing
 import os
 import queue
-import signal
-import sys
 import threading
 from concurrent.futures import Future
 
 from math_verify import parse, verify
+
+from rlfw.cluster.worker_setup import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -44,72 +43,105 @@ def _ready() -> bool:
     return True  # unpickling this function in the worker imports this module, math-verify and SymPy
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """The worker's initializer: SIGKILL when the thread that started it ends (the process being killed included)."""
-    if sys.platform.startswith("linux"):
-        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
+def _serve(conn, parent_pid: int) -> None:
+    """The worker's main loop: one ``(function, args)`` at a time from the pipe, its result or error back."""
+    die_with_parent(parent_pid)
+    while True:
+        try:
+            function, args = conn.recv()
+        except EOFError:  # the parent closed its end or died
+            return
+        try:
+            reply = (True, function(*args))
+        except Exception as error:  # noqa: BLE001 - handed to the caller, as a call in its own process would raise
+            reply = (False, error)
+        try:
+            conn.send(reply)
+        except Exception as error:  # noqa: BLE001 - an error that does not pickle goes back as its text
+            conn.send((False, RuntimeError(repr(error))))
 
 
 class _Worker:
-    """One spawned process that scores in its main thread; replaced when a score outlives its deadline."""
+    """One spawned process that scores in its main thread; killed and replaced when a score outlives its deadline.
+
+    A plain process and a pipe, not a ``multiprocessing.Pool``: a Pool's ``terminate`` waits for a lock its idle
+    worker holds, and at interpreter exit (the Pool's handler threads gone) it waited for ever, so an actor that
+    had scored off its main thread never exited, and outlived its Ray cluster. A SIGKILL takes no lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pool = None
+        self._process = None
+        self._conn = None
         self._requests: queue.SimpleQueue[Future] = queue.SimpleQueue()
         self._starter = None
 
-    def _start_pools(self) -> None:
+    def _start_processes(self) -> None:
         """The starter thread: a daemon that lives as long as the process, so a worker's death signal fires with the
         process, not with whichever request thread needed a new worker. (An executor's thread would not do: it is
         joined when the main thread finishes, while other threads may still be scoring.)"""
+        context = multiprocessing.get_context("spawn")
         while True:
             started = self._requests.get()
             try:
-                started.set_result(multiprocessing.get_context("spawn").Pool(
-                    1, initializer=_die_with_parent, initargs=(os.getpid(),)))
+                conn, child_conn = context.Pipe()
+                process = context.Process(target=_serve, args=(child_conn, os.getpid()), name="math-reward",
+                                          daemon=True)
+                process.start()
+                child_conn.close()
+                started.set_result((process, conn))
             except BaseException as error:  # noqa: BLE001 - handed to the request that waits for it
                 started.set_exception(error)
 
-    def _start(self):
+    def _start(self) -> None:
         if self._starter is None:
-            self._starter = threading.Thread(target=self._start_pools, name="math-reward-starter", daemon=True)
+            self._starter = threading.Thread(target=self._start_processes, name="math-reward-starter", daemon=True)
             self._starter.start()
         started = Future()
         self._requests.put(started)
         try:
-            return started.result(timeout=WORKER_START_S)
-        except TimeoutError:  # a pool that comes up after all is ended, not left idle
-            started.add_done_callback(lambda done: done.exception() is None and done.result().terminate())
+            self._process, self._conn = started.result(timeout=WORKER_START_S)
+        except TimeoutError:  # a worker that comes up after all is ended, not left idle
+            started.add_done_callback(lambda done: done.exception() is None and done.result()[0].kill())
             raise
+        atexit.register(self._stop)  # a worker never outlives the interpreter's exit, whatever the exit waits for
+
+    def _call(self, function, args, timeout_s: float):
+        self._conn.send((function, args))
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError
+        ok, value = self._conn.recv()
+        if not ok:
+            raise value
+        return value
+
+    def _stop(self) -> None:
+        """SIGKILL the worker and reap it."""
+        atexit.unregister(self._stop)
+        if self._process is not None:
+            self._process.kill()
+            self._process.join(timeout=WORKER_GRACE_S)
+            self._conn.close()
+        self._process = self._conn = None
 
     def score(self, response_text: str, answer: str, timeout_s: int) -> float:
         with self._lock:
-            if self._pool is None:
-                pool = self._start()
+            if self._process is None:
+                self._start()
                 try:
-                    pool.apply_async(_ready).get(timeout=WORKER_START_S)
+                    self._call(_ready, (), WORKER_START_S)
                 except BaseException:
-                    pool.terminate()
+                    self._stop()
                     raise
-                atexit.register(pool.terminate)  # ended before the interpreter tears down what it needs
-                self._pool = pool
-            call = self._pool.apply_async(_score, (response_text, answer, timeout_s))
             try:
-                return call.get(timeout=3 * timeout_s + WORKER_GRACE_S)
-            except multiprocessing.TimeoutError:
-                atexit.unregister(self._pool.terminate)
-                self._pool.terminate()
-                self._pool = None
+                return self._call(_score, (response_text, answer, timeout_s), 3 * timeout_s + WORKER_GRACE_S)
+            except TimeoutError:
+                self._stop()
                 log.warning("math_reward: scoring a response of %d characters outlived math-verify's %d s timeouts; "
                             "its worker was killed and the response scores 0.0", len(response_text), timeout_s)
                 return 0.0
+            except (EOFError, OSError):  # the worker died (killed from outside): the next score starts another
+                self._stop()
+                raise
 
 
 _WORKER = _Worker()
