@@ -9,7 +9,8 @@ trainer's log-probs pass (``time/logprobs``, 0 when the training forward compute
 (``time/train``), the weight push as the manager saw it (``time/weight_sync``, overlapping the driver's next
 step), and the rest of the step (driver: logging, checkpointing, waits); generated tokens per second of generation,
 trained samples per second of wall time, the trainers' peak allocated GPU memory inside a train call
-(``gpu/train_peak_gib``), the handover's seconds, and the GPU's memory in use (nvidia-smi, whole card) at its
+(``gpu/train_peak_gib``) and the engine's inside a generate call (``rollout/engine_gpu_peak_gib``), the handover's
+seconds, and the GPU's memory in use (nvidia-smi, whole card) at its
 highest while the engine generated and while the trainers trained.
 """
 
@@ -83,6 +84,7 @@ def summarise(name: str, result: dict, trace: list) -> dict:
            "driver_s": mean("time/step") - phases, "gen_tok_s": statistics.mean(tokens),
            "samples_s": mean("train/num_samples") / max(mean("time/step"), 1e-9),
            "train_peak_gib": max((r.get("train/gpu/train_peak_gib", 0.0) for r in rows), default=0.0),
+           "engine_peak_gib": max((r.get("rollout/engine_gpu_peak_gib", 0.0) for r in rows), default=0.0),
            "restore_s": mean("train/time/state_restore"), "release_s": mean("train/time/state_release"),
            "released_gib": mean("train/offload/released_gib"), "response_len": mean("rollout/response_len"),
            "reward_first": rows[0]["reward/mean"], "reward_last": rows[-1]["reward/mean"],
@@ -123,10 +125,9 @@ def main() -> None:
         results.append(summary)
         print(json.dumps(summary), flush=True)
         shutil.copy(result["run_dir"] / "metrics.jsonl", out / f"{name}.metrics.jsonl")
-        (out / f"{name}.memory.json").write_text(json.dumps(samples))
         (out / "summary.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     keys = ["row", "steps", "generate_s", "logprobs_s", "train_s", "push_s", "driver_s", "step_s", "gen_tok_s",
-            "samples_s", "train_peak_gib", "card_peak_gib", "restore_s", "release_s"]
+            "samples_s", "train_peak_gib", "engine_peak_gib", "card_peak_gib", "restore_s", "release_s"]
     print(table(keys, [[r[k] for k in keys] for r in results]), flush=True)
 
 

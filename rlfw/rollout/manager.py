@@ -110,7 +110,7 @@ class RolloutManager:
             raise RuntimeError(f"step {step}: {e}") from e
         # A dead or hung engine is found before the step's requests go out; it is replaced in the background, and
         # the others serve meanwhile.
-        self.pool.health(HEALTH_TIMEOUT_S, wait=False)
+        answers = self.pool.health(HEALTH_TIMEOUT_S, wait=False)
         cfg = self.cfg.rollout
         rng = np.random.default_rng([self.cfg.seed, step])
         rounds = 1 + (cfg.max_oversample_rounds if cfg.dynamic_sampling else 0)
@@ -140,6 +140,9 @@ class RolloutManager:
         # Sample ids are unique across steps: no step generates more than `stride` samples.
         batch = self._batch(kept, step, stride=rounds * cfg.num_prompts * cfg.n_samples_per_prompt)
         stats = self._stats(batch, counts, surplus, gen_time)
+        peaks = [a["gpu_peak_gib"] for a in answers if "gpu_peak_gib" in a]
+        if peaks:  # GPU engines: their peak memory in the generate calls before this step's
+            stats["rollout/engine_gpu_peak_gib"] = max(peaks)
         return {"batch": batch, "stats": stats, "examples": self._examples(batch)}
 
     def _oversample_count(self, sampled: int, kept: int) -> int:

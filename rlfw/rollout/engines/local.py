@@ -110,6 +110,8 @@ class LocalEngine(Engine):
         started = time.perf_counter()
         if params.seed is not None:
             self._generator.manual_seed(params.seed)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         with self._handoff.generating():
             if self.decoder == "slots":
                 return self._decode_slots(prompts, params, started)
@@ -133,6 +135,13 @@ class LocalEngine(Engine):
             if self.release_cache:
                 self.release_memory()
         return out.generations(self.eos_token_id)
+
+    def health(self) -> dict[str, Any]:
+        """``Engine.health``, and on CUDA the peak memory this process allocated since its last generate began."""
+        answer = super().health()
+        if self.device.type == "cuda":
+            answer["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return answer
 
     def release_memory(self) -> None:
         """Free the slots decoder's key-value cache and CUDA graphs (the next call builds them again)."""
