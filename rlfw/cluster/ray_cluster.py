@@ -20,7 +20,6 @@ def worker_env(torch_threads: int, known_warnings_log: Optional[str] = None) -> 
         "OMP_NUM_THREADS": str(torch_threads),
         "MKL_NUM_THREADS": str(torch_threads),
         "TOKENIZERS_PARALLELISM": "false",
-        "RLFW_TORCH_THREADS": str(torch_threads),
         "RUST_LOG": os.environ.get("RUST_LOG", "warn"),  # torchft's Rust side logs every quorum at INFO
     }
     if known_warnings_log:

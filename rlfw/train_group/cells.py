@@ -147,8 +147,7 @@ class CellGroup:
             self.cells[cell_id] = self._new_cell(cell_id, incarnation, load_from=load_from, heals=False)
             if self.cfg.cluster.cell_placement == "spread":  # the next cell avoids this one's node: it must be known
                 self._start_up(self.cells[cell_id], deadline, CellState.PLACING)
-        for cell in self.cells.values():
-            self._start_up(cell, deadline, CellState.ALLOCATED)
+        self._start_up_all(deadline)
 
     def restore(self, load_from: Optional[str]) -> None:
         """Every holder of the trained state died: fail what is left (replacements that had nobody to heal from),
@@ -162,8 +161,9 @@ class CellGroup:
         self.deadlines.reset()  # the restored cells' first calls warm up again
         self._start_cells(load_from, {cell_id: cell.incarnation + 1 for cell_id, cell in self.cells.items()})
 
-    def _start_up(self, cell: "Cell", deadline: float, past: CellState) -> None:
-        """Poll a first cell until it has left state ``past`` (PLACING: placed; ALLOCATED: alive)."""
+    def _start_up(self, cell: "Cell", deadline: float, past: CellState, once: bool = False) -> None:
+        """Poll a first cell until it has left state ``past`` (PLACING: placed; ALLOCATED: alive); ``once``: poll
+        it once (its errors and the deadline checked), whatever its state."""
         while True:
             self._poll(cell)
             if cell.state is CellState.ERRORED:
@@ -177,6 +177,18 @@ class CellGroup:
                            "cluster.cpus_per_worker or the number of replicas")
                 raise TimeoutError(f"cell {cell.id} not ready within ft.replacement_deadline_s="
                                    f"{self.cfg.ft.replacement_deadline_s}: {why}")
+            if once:
+                return
+            time.sleep(0.05)
+
+    def _start_up_all(self, deadline: float) -> None:
+        """Poll every first cell until all are alive: their set-ups (imports, worlds, models) run side by side."""
+        while True:
+            for cell in self.cells.values():
+                if cell.state is not CellState.ALIVE:
+                    self._start_up(cell, deadline, CellState.ALLOCATED, once=True)
+            if all(cell.state is CellState.ALIVE for cell in self.cells.values()):
+                return
             time.sleep(0.05)
 
     # ------------------------------------------------------------------------------------------ membership

@@ -69,8 +69,8 @@ class TrainerWorker:
         state, received in its first quorum)."""
         from rlfw.ft.faults import FaultInjector
 
-        torch.set_num_threads(int(os.environ.get("RLFW_TORCH_THREADS", "1")))
         self.cfg = OmegaConf.create(cfg)
+        torch.set_num_threads(self.cfg.cluster.torch_threads)  # this run's, also on a Ray another run started
         self.rank, self.world_size, self.cell = rank, world_size, cell
         self.incarnation, self.role = incarnation, role
         self.load_from, self.heals = load_from, heals
