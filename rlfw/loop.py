@@ -204,7 +204,8 @@ def prepare_step(cfg, group, critic, queue: RolloutQueue, loggers, step: int, ve
     rollout = queue.take(step)
     batch: RolloutBatch = rollout["batch"]
     metrics = dict(rollout["stats"])
-    metrics.update(staleness(batch.samples["rollout_versions"], version, max_staleness(cfg)))
+    metrics.update(staleness(batch.samples["rollout_versions"], version, max_staleness(cfg),
+                             batch.samples.get("partial_rollout")))
     if len(batch) == 0:
         cause = nothing_to_train(cfg, metrics, step)
         if cause is not None:

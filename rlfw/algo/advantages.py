@@ -156,6 +156,8 @@ def compute_advantages(batch: RolloutBatch, algo: AlgoConfig) -> tuple[Advantage
         old = torch.tensor([v for lp in batch.samples["old_logprobs"] for v in lp], dtype=torch.float64)
         ref = torch.tensor([v for lp in batch.samples["ref_logprobs"] for v in lp], dtype=torch.float64)
         kl = kl_penalty(old, ref, algo.kl_estimator).numpy()
+        if "loss_mask" in batch.samples:  # an episode's environment tokens are not the policy's: no penalty
+            kl = kl * np.concatenate([np.asarray(m, dtype=np.float64) for m in batch.samples["loss_mask"]])
         stats["reward/kl"] = float(kl.mean()) if kl.size else 0.0
         token_rewards = np.split(-algo.kl_reward_coef * kl, np.cumsum(lengths)[:-1])
     inputs = AdvantageInputs(rewards, np.asarray(batch.samples["group_id"]), lengths, token_rewards,

@@ -40,8 +40,16 @@ class RolloutBatch:
     def response_lengths(self) -> List[int]:
         return [len(t) - p for t, p in zip(self.samples["tokens"], self.samples["prompt_len"])]
 
+    def trained_lengths(self) -> List[int]:
+        """Loss-carrying tokens per sample: its response tokens, less an episode's environment tokens (the column
+        ``loss_mask``, 0 on them), which are context only."""
+        if "loss_mask" not in self.samples:
+            return self.response_lengths()
+        return [int(sum(mask)) for mask in self.samples["loss_mask"]]
+
     def num_response_tokens(self) -> int:
-        return sum(self.response_lengths())
+        """The policy's response tokens, the ones the loss is normalised over."""
+        return sum(self.trained_lengths())
 
     def select(self, indices: Sequence[int]) -> "RolloutBatch":
         """The samples at ``indices`` (in that order); per-batch keys reach the result unchanged."""

@@ -81,7 +81,7 @@ def token_weights(batch: RolloutBatch, loss_agg: str) -> List[float]:
     if loss_agg == "sample_mean":
         return [1.0 / gbs["num_samples"]] * len(batch)
     if loss_agg == "seq_mean_token_mean":
-        return [1.0 / (max(n, 1) * gbs["num_samples"]) for n in batch.response_lengths()]
+        return [1.0 / (max(n, 1) * gbs["num_samples"]) for n in batch.trained_lengths()]
     raise ValueError(f"unknown loss aggregation {loss_agg!r}")
 
 
@@ -102,8 +102,10 @@ def build_microbatch(
         tokens += seq
         positions += range(n)
         labels += seq[1:] + [0]
-        # Position j predicts token j+1: the response tokens p..n-1 are predicted at positions p-1..n-2.
-        mask = [0.0] * (p - 1) + [1.0] * r + [0.0]
+        # Position j predicts token j+1: the response tokens p..n-1 are predicted at positions p-1..n-2; an
+        # episode's environment tokens among them are context (loss_mask 0), the policy's own are trained.
+        response_mask = batch.samples["loss_mask"][i] if "loss_mask" in batch.samples else [1.0] * r
+        mask = [0.0] * (p - 1) + list(response_mask) + [0.0]
         w = weights[i] if weights is not None else 0.0
         loss_weight += [m * w for m in mask]
         pad = [0.0] * (p - 1)

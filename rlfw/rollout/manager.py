@@ -29,7 +29,10 @@ from rlfw.data.batch import RolloutBatch
 from rlfw.model.shape import ModelShape
 from rlfw.rollout.engines.base import build_engine, engine_class
 from rlfw.rollout.engines.pool import EnginePool
-from rlfw.rollout.types import Generation, Prompt, SamplingParams
+from rlfw.rollout.envs.base import as_environment
+from rlfw.rollout.envs.episode import Episode
+from rlfw.rollout.envs.runner import episode_stats, run_episodes
+from rlfw.rollout.types import Prompt, SamplingParams
 
 # An engine that does not answer the health check before a step in this time is replaced.
 HEALTH_TIMEOUT_S = 60.0
@@ -54,12 +57,15 @@ def reward_value(value: Any, task_cfg) -> float:
 
 @dataclass
 class _Group:
-    """The samples of one prompt, and the step-wide position of its first sample (for its sample ids)."""
+    """The episodes of one prompt, and the step-wide position of its first one (for their sample ids)."""
 
     prompt: Prompt
-    generations: list[Generation]
-    rewards: list[float]
+    episodes: list[Episode]
     first_position: int
+
+    @property
+    def rewards(self) -> list[float]:
+        return [e.reward for e in self.episodes]
 
 
 # Orchestration only: the engines hold the CPU share. Two concurrency groups, one thread each: a weight push runs
@@ -72,9 +78,9 @@ class RolloutManager:
 
         torch.set_num_threads(1)
         self.cfg = OmegaConf.create(cfg)
-        self.task = instantiate(self.cfg.task)
+        self.env = as_environment(instantiate(self.cfg.task))  # a single-turn task is a one-turn environment
         self.shape = shape
-        tokenizer, rollout = self.task.tokenizer, self.cfg.rollout
+        tokenizer, rollout = self.env.tokenizer, self.cfg.rollout
         self.pool = EnginePool(
             lambda index, incarnation: build_engine(self.cfg, shape, tokenizer, index, incarnation),
             engine_class(rollout.backend).num_actors(self.cfg),
@@ -114,17 +120,19 @@ class RolloutManager:
         cfg = self.cfg.rollout
         rng = np.random.default_rng([self.cfg.seed, step])
         rounds = 1 + (cfg.max_oversample_rounds if cfg.dynamic_sampling else 0)
-        counts = {"too_long": 0, "nonfinite": 0, "zero_variance": 0, "sampled": 0, "rounds": 0}
+        counts = {"too_long": 0, "nonfinite": 0, "zero_variance": 0, "sampled": 0, "rounds": 0, "env_s": 0.0}
+        episodes: list[Episode] = []
         kept: list[_Group] = []
         position = 0  # samples generated so far in this step
         t0 = time.perf_counter()
         for round_index in range(rounds):
             num = cfg.num_prompts if round_index == 0 else self._oversample_count(counts["sampled"], len(kept))
-            prompts = self.task.sample_prompts(num, step, rng)
+            prompts = self.env.sample_prompts(num, step, rng)
             counts["sampled"] += num
             counts["rounds"] += 1
             groups, generated = self._generate_groups(prompts, position, [self.cfg.seed, step, round_index], counts,
                                                       min_version)
+            episodes += [e for g in groups for e in g.episodes]
             position += generated
             if cfg.dynamic_sampling:
                 with_signal = [g for g in groups if np.ptp(g.rewards) > 0]
@@ -143,6 +151,7 @@ class RolloutManager:
         peaks = [a["gpu_peak_gib"] for a in answers if "gpu_peak_gib" in a]
         if peaks:  # GPU engines: their peak memory in the generate calls before this step's
             stats["rollout/engine_gpu_peak_gib"] = max(peaks)
+        stats.update(episode_stats(episodes, counts["env_s"], gen_time))
         return {"batch": batch, "stats": stats, "examples": self._examples(batch)}
 
     def _oversample_count(self, sampled: int, kept: int) -> int:
@@ -157,8 +166,9 @@ class RolloutManager:
         self, prompts: list[Prompt], first_position: int, seed_key: list[int], counts: dict[str, int],
         min_version: int,
     ) -> tuple[list[_Group], int]:
-        """``n_samples_per_prompt`` responses per prompt and their rewards, and how many responses were generated;
-        prompts that fill the context and groups with a non-finite reward are dropped (and counted)."""
+        """``n_samples_per_prompt`` episodes per prompt (a response and its reward, for a single-turn task), and how
+        many were generated; prompts that fill the context and groups with a non-finite reward are dropped (and
+        counted)."""
         cfg = self.cfg.rollout
         n = cfg.n_samples_per_prompt
         fitting = []
@@ -169,7 +179,7 @@ class RolloutManager:
                 fitting.append(prompt)
         if not fitting:
             return [], 0
-        max_new = cfg.max_new_tokens or self.task.max_response_len
+        max_new = cfg.max_new_tokens or self.env.max_response_len
         max_new = min(max_new, self.shape.max_seq_len - max(len(p.token_ids) for p in fitting))
         # Rollouts are a pure function of the step (and round): what lets a resumed run continue exactly where the
         # interrupted one stopped. The pool derives each chunk's seed from this one.
@@ -177,34 +187,37 @@ class RolloutManager:
         params = SamplingParams(
             temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=max(max_new, 1), seed=seed
         )
-        generations = self.pool.generate([p.token_ids for p in fitting for _ in range(n)], params, min_version)
+        episodes, env_s = run_episodes(
+            self.env, self.pool, fitting, n, params, min_version, self.shape.max_seq_len,
+            lambda value: reward_value(value, self.cfg.task))
+        counts["env_s"] += env_s
 
         groups = []
         for index, prompt in enumerate(fitting):
-            group = generations[index * n:(index + 1) * n]
-            rewards = [reward_value(self.task.reward(prompt, gen.response_ids), self.cfg.task) for gen in group]
-            if not all(math.isfinite(r) for r in rewards):
+            group = _Group(prompt, episodes[index * n:(index + 1) * n], first_position + index * n)
+            if not all(math.isfinite(r) for r in group.rewards):
                 counts["nonfinite"] += 1  # a non-finite reward poisons the group's advantage: drop the whole group
                 continue
-            groups.append(_Group(prompt, group, rewards, first_position + index * n))
-        return groups, len(generations)
+            groups.append(group)
+        return groups, len(episodes)
 
     def _batch(self, groups: list[_Group], step: int, stride: int) -> RolloutBatch:
         columns: dict[str, list[Any]] = {k: [] for k in (
-            "sample_id", "group_id", "tokens", "prompt_len", "reward", "rollout_logprobs", "rollout_versions",
-            "truncated", "gen_seconds")}
+            "sample_id", "group_id", "tokens", "prompt_len", "loss_mask", "reward", "rollout_logprobs",
+            "rollout_versions", "partial_rollout", "truncated", "gen_seconds")}
         for group in groups:
-            prompt = group.prompt
-            for j, (gen, reward) in enumerate(zip(group.generations, group.rewards)):
+            for j, episode in enumerate(group.episodes):  # one sample per episode: the ledger's unit
                 columns["sample_id"].append(step * stride + group.first_position + j)
-                columns["group_id"].append(prompt.prompt_id)
-                columns["tokens"].append(list(prompt.token_ids) + list(gen.response_ids))
-                columns["prompt_len"].append(len(prompt.token_ids))
-                columns["reward"].append(reward)
-                columns["rollout_logprobs"].append(list(gen.logprobs))
-                columns["rollout_versions"].append(gen.versions())  # the policy version of every response token
-                columns["truncated"].append(gen.finish_reason == "length")
-                columns["gen_seconds"].append(gen.seconds)
+                columns["group_id"].append(group.prompt.prompt_id)
+                columns["tokens"].append(episode.tokens)
+                columns["prompt_len"].append(episode.prompt_len)
+                columns["loss_mask"].append(episode.loss_mask)  # per response token: 1 policy, 0 environment
+                columns["reward"].append(episode.reward)
+                columns["rollout_logprobs"].append(episode.logprobs)
+                columns["rollout_versions"].append(episode.versions)  # the policy version of every policy token
+                columns["partial_rollout"].append(episode.partial)  # weights pushed inside one of its turns
+                columns["truncated"].append(episode.truncated)
+                columns["gen_seconds"].append(episode.seconds)
         return RolloutBatch(columns, {"step": step})
 
     def _stats(self, batch: RolloutBatch, counts: dict[str, int], surplus: int, gen_time: float) -> dict[str, float]:
@@ -238,7 +251,7 @@ class RolloutManager:
         }
 
     def _examples(self, batch: RolloutBatch, count: int = 4) -> list[list[Any]]:
-        tok = self.task.tokenizer
+        tok = self.env.tokenizer
         vocab = len(tok)
         rows = []
         for i in range(min(count, len(batch))):
@@ -248,4 +261,5 @@ class RolloutManager:
         return rows
 
     def shutdown(self) -> None:
+        self.env.close()
         self.pool.shutdown()

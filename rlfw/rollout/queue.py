@@ -36,9 +36,12 @@ class StalenessError(RuntimeError):
     """A sample lags more policy versions behind the training weights than ``loop.max_staleness`` allows."""
 
 
-def staleness(versions: List[List[int]], version: int, max_staleness: int) -> Dict[str, float]:
+def staleness(versions: List[List[int]], version: int, max_staleness: int,
+              partial: Optional[List[bool]] = None) -> Dict[str, float]:
     """Per-sample staleness (``version`` minus the sample's oldest token version) summarised; above
-    ``max_staleness`` it raises ``StalenessError`` naming the sample."""
+    ``max_staleness`` it raises ``StalenessError`` naming the sample. ``partial``: per sample, whether weights
+    changed inside one of its turns (an episode whose turns came from several versions is not a partial rollout
+    when every change fell between two turns); None: a sample is one turn."""
     if not versions:
         return {}
     lags = np.asarray([version - min(v) for v in versions])
@@ -52,7 +55,8 @@ def staleness(versions: List[List[int]], version: int, max_staleness: int) -> Di
         "loop/staleness_max": float(lags.max()),
         "loop/staleness_mean": float(lags.mean()),
         # responses continued under newer weights than they started with
-        "loop/partial_rollout_frac": float(np.mean([min(v) != max(v) for v in versions])),
+        "loop/partial_rollout_frac": float(np.mean(
+            partial if partial is not None else [min(v) != max(v) for v in versions])),
     }
 
 
