@@ -80,6 +80,17 @@ class SGLangConfig:
 
 
 @dataclass
+class ToolsConfig:
+    """The worker processes that run an environment's tool calls (rlfw/rollout/envs/tool_pool.py); an environment
+    with tools takes this node as its ``tool_pool`` (conf/task/calc.yaml)."""
+
+    workers: int = 2  # processes, hence tool calls at once
+    timeout_s: float = 10.0  # one call; past it the worker is killed and replaced, the call an error observation
+    memory_mb: int = 1024  # address-space cap of each worker (and the programs it runs); 0 = none
+    max_output_chars: int = 2000  # a longer output is cut here, and the observation says so
+
+
+@dataclass
 class RolloutConfig:
     backend: str = MISSING  # local | vllm | sglang
     num_prompts: int = 32  # prompts per RL step
@@ -104,6 +115,7 @@ class RolloutConfig:
     cuda_graphs: bool = True  # local, CUDA: replay the decode step as CUDA graphs (off: eager, for comparison)
     gpus_per_engine: float = 1.0  # local, CUDA, cluster.placement=separate: Ray GPUs of each engine
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # rollout=sglang only
+    tools: ToolsConfig = field(default_factory=ToolsConfig)  # environments with tools (task=calc, gsm8k_tools)
 
 
 @dataclass

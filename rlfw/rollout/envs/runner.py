@@ -54,13 +54,14 @@ def run_episodes(
             answers = list(threads.map(env.step, active)) if workers > 1 else [env.step(e) for e in active]
             env_seconds += time.perf_counter() - t0
             for episode, answer in zip(active, answers):
-                _apply(env, episode, answer, max_seq_len, reward_value)
+                apply_answer(env, episode, answer, max_seq_len, reward_value)
             active = [e for e in active if e.end is None]
             turn += 1
     return episodes, env_seconds
 
 
-def _apply(env: Environment, episode: Episode, answer, max_seq_len: int, reward_value) -> None:
+def apply_answer(env: Environment, episode: Episode, answer, max_seq_len: int, reward_value) -> None:
+    """End ``episode`` (done, or cut off by the turn or token limit) or append the environment's answer."""
     if isinstance(answer, Done):
         episode.finish(reward_value(answer.reward), "done")
     elif not isinstance(answer, Observation):
