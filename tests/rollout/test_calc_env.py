@@ -1,0 +1,120 @@
+"""The calc environment on scripted turns: the tool's answer as the observation, the reward's parts, the tool
+disabled, malformed calls; and the episode's token bookkeeping (what is trained, what is context)."""
+
+import numpy as np
+import pytest
+
+from rlfw.rollout.envs.base import Done, Observation
+from rlfw.rollout.envs.calc import CalcEnv
+from rlfw.rollout.envs.episode import Episode
+from rlfw.rollout.types import Generation
+
+
+@pytest.fixture(scope="module")
+def env():
+    env = CalcEnv({"workers": 1, "timeout_s": 10.0}, digits=2)
+    yield env
+    env.close()
+
+
+def turn(env, episode, words, finish="stop", version=0):
+    ids = env.tokenizer.convert_tokens_to_ids(words)
+    episode.add_turn(Generation(ids, [-0.5] * len(ids), finish, version))
+    return env.step(episode)
+
+
+def words_of(env, ids):
+    return env.tokenizer.convert_ids_to_tokens(ids)
+
+
+def test_a_good_episode_calls_the_tool_and_copies_its_answer(env):
+    prompt = env.sample_prompts(1, np.random.default_rng(3))[0]
+    expression = words_of(env, prompt.token_ids)[1:-1]  # <bos> a1 a2 + b1 b2 =
+    a, b = int("".join(expression[:2])), int("".join(expression[3:]))
+    episode = Episode(prompt, env.start(prompt))
+    answer = turn(env, episode, ["calc", *expression, "<eos>"])
+    assert isinstance(answer, Observation)
+    assert words_of(env, answer.token_ids) == ["->", *str(a + b), "="]
+    episode.add_observation(answer.token_ids)
+    done = turn(env, episode, [*str(a + b), "<eos>"], version=1)
+    assert done == Done(pytest.approx(1.0))
+    # One sequence: the prompt, the call, the observation, the answer; only the policy's tokens are trained.
+    assert episode.tokens[:len(prompt.token_ids)] == prompt.token_ids
+    k = len(str(a + b))
+    assert episode.loss_mask == [1.0] * 7 + [0.0] * (k + 2) + [1.0] * (k + 1)
+    assert episode.logprobs == [-0.5] * 7 + [0.0] * (k + 2) + [-0.5] * (k + 1)
+    assert episode.versions == [0] * 7 + [1] * (k + 1) and not episode.partial  # a push between turns: not partial
+    assert [(r.name, r.error) for r in episode.tools] == [("calc", None)]
+
+
+def test_partial_credit_and_what_a_wrong_call_earns(env):
+    prompt = env.sample_prompts(1, np.random.default_rng(4))[0]
+    expression = words_of(env, prompt.token_ids)[1:-1]
+    target = words_of(env, prompt.target)
+    # An answer without calling: all digits but the last, then a stop.
+    episode = Episode(prompt, env.start(prompt))
+    assert turn(env, episode, [*target[:-1], "9" if target[-1] != "9" else "8", "<eos>"]) == Done(
+        pytest.approx(0.5 * (len(target) - 1) / len(target) + 0.1))
+    # A call with one operand digit wrong reaches the tool; the answer ran out of tokens (no stop credit).
+    episode = Episode(prompt, env.start(prompt))
+    wrong = [*expression[:4], "0" if expression[4] != "0" else "1"]
+    observation = turn(env, episode, ["calc", *wrong, "<eos>"])
+    assert words_of(env, observation.token_ids)[0] == "->" and episode.state["call"] == pytest.approx(0.1 + 0.3 * 4 / 5)
+    episode.add_observation(observation.token_ids)
+    assert turn(env, episode, target, finish="length") == Done(pytest.approx(0.1 + 0.3 * 4 / 5 + 0.5))
+    # A malformed call is an error observation, recorded; it still reached the tool.
+    episode = Episode(prompt, env.start(prompt))
+    observation = turn(env, episode, ["calc", "+", "+", "<eos>"])
+    assert words_of(env, observation.token_ids) == ["->", "error", "="]
+    assert episode.tools[0].error.startswith("calc failed: ValueError: not an expression")
+    # A policy that never answers is cut off with its call's credit.
+    assert env.cut_off(episode) == pytest.approx(0.1)
+
+
+def test_without_the_tool_a_call_is_an_error_and_earns_nothing():
+    env = CalcEnv({"workers": 1}, digits=2, tools=[])
+    prompt = env.sample_prompts(1, np.random.default_rng(5))[0]
+    episode = Episode(prompt, env.start(prompt))
+    observation = turn(env, episode, ["calc", *words_of(env, prompt.token_ids)[1:-1], "<eos>"])
+    assert words_of(env, observation.token_ids) == ["->", "error", "="]
+    assert [(r.name, r.error) for r in episode.tools] == [("unknown", "the calculator is disabled")]
+    assert env.cut_off(episode) == 0.0
+
+
+def test_bad_configs_name_the_key():
+    with pytest.raises(ValueError, match="task.max_turns=0"):
+        CalcEnv({}, max_turns=0)
+    with pytest.raises(ValueError, match="task.digits=9"):
+        CalcEnv({}, digits=9)
+    with pytest.raises(ValueError, match="knows only the tool named 'calc'"):
+        CalcEnv({}, tools=["rlfw.rollout.envs.builtin_tools.python"])
+
+
+def test_limits_end_an_episode_flagged_and_a_bad_answer_names_the_environment(env):
+    from rlfw.rollout.envs.runner import apply_answer, episode_stats
+    from rlfw.rollout.manager import reward_value
+
+    def check(value):
+        return reward_value(value, {"_target_": "rlfw.rollout.envs.calc.CalcEnv"})
+
+    prompt = env.sample_prompts(1, np.random.default_rng(6))[0]
+    expression = words_of(env, prompt.token_ids)[1:-1]
+    episodes = []
+    for max_seq_len, turns in ((64, env.max_turns), (18, 1)):  # the turn limit; then no room for the next turn
+        episode = Episode(prompt, env.start(prompt))
+        for _ in range(turns):
+            answer = turn(env, episode, ["calc", *expression, "<eos>"])
+            apply_answer(env, episode, answer, max_seq_len, check)
+        assert episode.end == ("turn_limit" if turns > 1 else "token_limit") and episode.truncated
+        assert episode.reward == pytest.approx(0.4) and episode.turns == turns
+        episodes.append(episode)
+    stats = episode_stats(episodes, env_seconds=1.0, generate_seconds=4.0)
+    assert stats["env/turn_limit_episodes"] == stats["env/token_limit_episodes"] == 1
+    assert stats["env/truncated_episodes"] == 2 and stats["env/share"] == 0.25
+    assert stats["env/tool_calls/calc"] == env.max_turns + 1 and stats["env/tool_errors/calc"] == 0
+    episode = Episode(prompt, env.start(prompt))
+    episode.add_turn(Generation([5], [0.0], "stop", 0))
+    with pytest.raises(TypeError, match="CalcEnv returned '1' \\(str\\); a reward must be a real number"):
+        apply_answer(env, episode, Done("1"), 64, check)
+    with pytest.raises(TypeError, match="CalcEnv.step returned str; it must return an Observation or Done"):
+        apply_answer(env, episode, "1", 64, check)
