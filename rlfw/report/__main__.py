@@ -1,8 +1,10 @@
 """``python -m rlfw.report RUN_DIR [--out DIR]``: PNG plots of a run directory, or a comparison of a sweep's jobs.
 
 A run directory gives ``run.png`` (reward, loss, per-replica batch sizes, alive cells and quorum id, event
-timeline); a Hydra sweep directory gives ``sweep.png`` (every job's reward curve) and ``sweep_summary.md``. Each
-PNG gets a JSON sidecar naming its panels. Output goes to ``DIR`` (default ``<RUN_DIR>/report``).
+timeline), and ``episodes.md`` when its environment took several turns or called tools (turns, truncations, tool
+calls and errors, the environment's time); a Hydra sweep directory gives ``sweep.png`` (every job's reward curve)
+and ``sweep_summary.md``. Each PNG gets a JSON sidecar naming its panels. Output goes to ``DIR`` (default
+``<RUN_DIR>/report``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from rlfw.report.figures import DPI, Panel, run_figure, sweep_figure
 from rlfw.report.load import ReportError, is_sweep_dir, load_run, load_sweep
-from rlfw.report.summary import sweep_table
+from rlfw.report.summary import episode_table, has_episodes, sweep_table
 
 
 def write_report(source: Path, out: Path) -> list[Path]:
@@ -28,8 +30,13 @@ def write_report(source: Path, out: Path) -> list[Path]:
         table = out / "sweep_summary.md"
         table.write_text(sweep_table(jobs), encoding="utf-8")
         return [*_save(figure, panels, out / "sweep.png"), table]
-    figure, panels = run_figure(load_run(source))
-    return _save(figure, panels, out / "run.png")
+    run = load_run(source)
+    figure, panels = run_figure(run)
+    written = _save(figure, panels, out / "run.png")
+    if has_episodes(run):  # a multi-turn environment or tools: what the episodes did
+        written.append(out / "episodes.md")
+        written[-1].write_text(episode_table(run), encoding="utf-8")
+    return written
 
 
 def _save(figure, panels: list[Panel], path: Path) -> list[Path]:

@@ -117,6 +117,30 @@ def test_classic_run_without_events_has_an_empty_timeline(tmp_path):
     assert "classic run" in shown["Alive cells and quorum id"]["note"]
     assert shown["Goodput and ETTR"]["note"] == "no ft/goodput in metrics.jsonl"
     assert shown["Loss"]["note"] == "non-finite at steps [1]"  # written as "nan" by JsonlLogger, still shown
+    assert not (run_dir / "report" / "episodes.md").exists()  # one-turn episodes, no tools: nothing to say
+
+
+def test_episodes_table_of_a_run_with_tools(tmp_path):
+    from rlfw.report.load import Run
+    from rlfw.report.summary import episode_table, has_episodes
+
+    common = {"rollout/num_samples": 4, "env/turns_max": 2, "env/token_limit_episodes": 0}
+    rows = [{"step": 0, **common, "env/turns_mean": 1.5, "env/truncated_episodes": 1, "env/turn_limit_episodes": 1,
+             "env/tool_calls/calc": 2, "env/tool_errors/calc": 1, "env/tool_seconds": 0.5, "env/share": 0.2},
+            {"step": 1, **common, "env/turns_mean": 2.0, "env/truncated_episodes": 0, "env/turn_limit_episodes": 0,
+             "env/tool_calls/calc": 4, "env/tool_errors/calc": 0, "env/tool_calls/unknown": 1,
+             "env/tool_errors/unknown": 1, "env/tool_seconds": 1.0, "env/share": 0.4}]
+    assert not has_episodes(Run(tmp_path, [{"step": 0, "env/turns_mean": 1.0, "env/turns_max": 1}]))
+    assert has_episodes(Run(tmp_path, rows))
+    assert episode_table(Run(tmp_path, rows)).splitlines()[2:] == [
+        "| steps | 2 |",
+        "| turns per episode (mean, max) | 1.75, 2 |",
+        "| truncated episodes (turn limit, token limit) | 1 (1, 0) |",
+        "| tool `calc`: calls, errors | 6, 1 (16.7%) |",
+        "| tool `unknown`: calls, errors | 1, 1 (100.0%) |",
+        "| tool seconds | 1.5 |",
+        "| environment share of the rollout (mean) | 30.0% |",
+    ]
 
 
 def test_sweep_compares_jobs_and_lists_the_failed_one(tmp_path):
