@@ -76,10 +76,18 @@ def test_async_survives_a_cell_the_writer_and_the_engine_dying(tmp_path):
 def test_async_resume_generates_the_later_rollouts_again_from_the_checkpoint(run):
     """A checkpoint does not hold the rollouts asked for ahead: a resumed async run generates them again from the
     checkpoint's weights, so its first step trains at staleness 0 and the next ones at 1, and every step of the run
-    is trained once, on its own samples."""
-    common = ["dp=cells", "loop=async", "loop.max_staleness=1", "checkpoint.interval=2", "ft.verify_weights_every=1"]
+    is trained once, on its own samples. The samples are multi-turn episodes with a tool (task=calc): one sample per
+    episode, the staleness bound on its oldest policy token."""
+    common = ["dp=cells", "loop=async", "loop.max_staleness=1", "checkpoint.interval=2", "ft.verify_weights_every=1",
+              "task=calc"]
     run_dir = run("first", *common, "num_steps=4")
     run_rlfw(run_dir, *common, "num_steps=7", "resume=auto")
     check_every_sample_once(run_dir, steps=7)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["loop/staleness_max"] for r in rows] == [0, 1, 1, 1, 0, 1, 1]
+    assert all(1 <= r["env/turns_mean"] <= r["env/turns_max"] <= 3 for r in rows)
+    # The trainer's tokens are the policy's only: an episode's observations past its prompt are not trained.
+    for r in rows:
+        response_tokens = round(r["rollout/response_len"] * r["rollout/num_samples"])
+        assert (r["train/num_tokens"] < response_tokens) == (r["env/turns_max"] > 1), r["step"]
+    assert any(r["env/turns_max"] > 1 for r in rows)

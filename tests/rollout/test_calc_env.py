@@ -28,43 +28,43 @@ def words_of(env, ids):
 
 
 def test_a_good_episode_calls_the_tool_and_copies_its_answer(env):
-    prompt = env.sample_prompts(1, np.random.default_rng(3))[0]
-    expression = words_of(env, prompt.token_ids)[1:-1]  # <bos> a1 a2 + b1 b2 =
+    prompt = env.sample_prompts(1, 0, np.random.default_rng(3))[0]
+    expression = words_of(env, prompt.token_ids)[1:-1]  # <bos> a1 a2 - b1 b2 =
     a, b = int("".join(expression[:2])), int("".join(expression[3:]))
+    assert expression[2] == "-" and a >= b
     episode = Episode(prompt, env.start(prompt))
     answer = turn(env, episode, ["calc", *expression, "<eos>"])
     assert isinstance(answer, Observation)
-    assert words_of(env, answer.token_ids) == ["->", *str(a + b), "="]
+    assert words_of(env, answer.token_ids) == ["->", *f"{a - b:02d}", "="]
     episode.add_observation(answer.token_ids)
-    done = turn(env, episode, [*str(a + b), "<eos>"], version=1)
+    done = turn(env, episode, [*f"{a - b:02d}", "<eos>"], version=1)
     assert done == Done(pytest.approx(1.0))
     # One sequence: the prompt, the call, the observation, the answer; only the policy's tokens are trained.
     assert episode.tokens[:len(prompt.token_ids)] == prompt.token_ids
-    k = len(str(a + b))
-    assert episode.loss_mask == [1.0] * 7 + [0.0] * (k + 2) + [1.0] * (k + 1)
-    assert episode.logprobs == [-0.5] * 7 + [0.0] * (k + 2) + [-0.5] * (k + 1)
-    assert episode.versions == [0] * 7 + [1] * (k + 1) and not episode.partial  # a push between turns: not partial
+    assert episode.loss_mask == [1.0] * 7 + [0.0] * 4 + [1.0] * 3
+    assert episode.logprobs == [-0.5] * 7 + [0.0] * 4 + [-0.5] * 3
+    assert episode.versions == [0] * 7 + [1] * 3 and not episode.partial  # a push between turns: not partial
     assert [(r.name, r.error) for r in episode.tools] == [("calc", None)]
 
 
 def test_partial_credit_and_what_a_wrong_call_earns(env):
-    prompt = env.sample_prompts(1, np.random.default_rng(4))[0]
+    prompt = env.sample_prompts(1, 0, np.random.default_rng(4))[0]
     expression = words_of(env, prompt.token_ids)[1:-1]
     target = words_of(env, prompt.target)
     # An answer without calling: all digits but the last, then a stop.
     episode = Episode(prompt, env.start(prompt))
     assert turn(env, episode, [*target[:-1], "9" if target[-1] != "9" else "8", "<eos>"]) == Done(
-        pytest.approx(0.5 * (len(target) - 1) / len(target) + 0.1))
+        pytest.approx(0.3 * (len(target) - 1) / len(target) + 0.1))
     # A call with one operand digit wrong reaches the tool; the answer ran out of tokens (no stop credit).
     episode = Episode(prompt, env.start(prompt))
     wrong = [*expression[:4], "0" if expression[4] != "0" else "1"]
     observation = turn(env, episode, ["calc", *wrong, "<eos>"])
-    assert words_of(env, observation.token_ids)[0] == "->" and episode.state["call"] == pytest.approx(0.1 + 0.3 * 4 / 5)
+    assert words_of(env, observation.token_ids)[0] == "->" and episode.state["call"] == pytest.approx(0.1 + 0.5 * 5 / 6)
     episode.add_observation(observation.token_ids)
-    assert turn(env, episode, target, finish="length") == Done(pytest.approx(0.1 + 0.3 * 4 / 5 + 0.5))
+    assert turn(env, episode, target, finish="length") == Done(pytest.approx(0.1 + 0.5 * 5 / 6 + 0.3))
     # A malformed call is an error observation, recorded; it still reached the tool.
     episode = Episode(prompt, env.start(prompt))
-    observation = turn(env, episode, ["calc", "+", "+", "<eos>"])
+    observation = turn(env, episode, ["calc", "-", "-", "<eos>"])
     assert words_of(env, observation.token_ids) == ["->", "error", "="]
     assert episode.tools[0].error.startswith("calc failed: ValueError: not an expression")
     # A policy that never answers is cut off with its call's credit.
@@ -73,7 +73,7 @@ def test_partial_credit_and_what_a_wrong_call_earns(env):
 
 def test_without_the_tool_a_call_is_an_error_and_earns_nothing():
     env = CalcEnv({"workers": 1}, digits=2, tools=[])
-    prompt = env.sample_prompts(1, np.random.default_rng(5))[0]
+    prompt = env.sample_prompts(1, 0, np.random.default_rng(5))[0]
     episode = Episode(prompt, env.start(prompt))
     observation = turn(env, episode, ["calc", *words_of(env, prompt.token_ids)[1:-1], "<eos>"])
     assert words_of(env, observation.token_ids) == ["->", "error", "="]
@@ -97,16 +97,16 @@ def test_limits_end_an_episode_flagged_and_a_bad_answer_names_the_environment(en
     def check(value):
         return reward_value(value, {"_target_": "rlfw.rollout.envs.calc.CalcEnv"})
 
-    prompt = env.sample_prompts(1, np.random.default_rng(6))[0]
+    prompt = env.sample_prompts(1, 0, np.random.default_rng(6))[0]
     expression = words_of(env, prompt.token_ids)[1:-1]
     episodes = []
-    for max_seq_len, turns in ((64, env.max_turns), (18, 1)):  # the turn limit; then no room for the next turn
+    for max_seq_len, turns in ((64, env.max_turns), (17, 1)):  # the turn limit; then no room for the next turn
         episode = Episode(prompt, env.start(prompt))
         for _ in range(turns):
             answer = turn(env, episode, ["calc", *expression, "<eos>"])
             apply_answer(env, episode, answer, max_seq_len, check)
         assert episode.end == ("turn_limit" if turns > 1 else "token_limit") and episode.truncated
-        assert episode.reward == pytest.approx(0.4) and episode.turns == turns
+        assert episode.reward == pytest.approx(0.6) and episode.turns == turns
         episodes.append(episode)
     stats = episode_stats(episodes, env_seconds=1.0, generate_seconds=4.0)
     assert stats["env/turn_limit_episodes"] == stats["env/token_limit_episodes"] == 1
