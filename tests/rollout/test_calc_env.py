@@ -29,9 +29,9 @@ def words_of(env, ids):
 
 def test_a_good_episode_calls_the_tool_and_copies_its_answer(env):
     prompt = env.sample_prompts(1, 0, np.random.default_rng(3))[0]
-    expression = words_of(env, prompt.token_ids)[1:-1]  # <bos> a1 a2 - b1 b2 =
-    a, b = int("".join(expression[:2])), int("".join(expression[3:]))
-    assert expression[2] == "-" and a >= b
+    expression = words_of(env, prompt.token_ids)[1:-1]  # <bos> a1 a2 b1 b2 =
+    a, b = int("".join(expression[:2])), int("".join(expression[2:]))
+    assert a >= b
     episode = Episode(prompt, env.start(prompt))
     answer = turn(env, episode, ["calc", *expression, "<eos>"])
     assert isinstance(answer, Observation)
@@ -41,9 +41,9 @@ def test_a_good_episode_calls_the_tool_and_copies_its_answer(env):
     assert done == Done(pytest.approx(1.0))
     # One sequence: the prompt, the call, the observation, the answer; only the policy's tokens are trained.
     assert episode.tokens[:len(prompt.token_ids)] == prompt.token_ids
-    assert episode.loss_mask == [1.0] * 7 + [0.0] * 4 + [1.0] * 3
-    assert episode.logprobs == [-0.5] * 7 + [0.0] * 4 + [-0.5] * 3
-    assert episode.versions == [0] * 7 + [1] * 3 and not episode.partial  # a push between turns: not partial
+    assert episode.loss_mask == [1.0] * 6 + [0.0] * 4 + [1.0] * 3
+    assert episode.logprobs == [-0.5] * 6 + [0.0] * 4 + [-0.5] * 3
+    assert episode.versions == [0] * 6 + [1] * 3 and not episode.partial  # a push between turns: not partial
     assert [(r.name, r.error) for r in episode.tools] == [("calc", None)]
 
 
@@ -57,16 +57,16 @@ def test_partial_credit_and_what_a_wrong_call_earns(env):
         pytest.approx(0.3 * (len(target) - 1) / len(target) + 0.1))
     # A call with one operand digit wrong reaches the tool; the answer ran out of tokens (no stop credit).
     episode = Episode(prompt, env.start(prompt))
-    wrong = [*expression[:4], "0" if expression[4] != "0" else "1"]
+    wrong = [*expression[:3], "0" if expression[3] != "0" else "1"]
     observation = turn(env, episode, ["calc", *wrong, "<eos>"])
-    assert words_of(env, observation.token_ids)[0] == "->" and episode.state["call"] == pytest.approx(0.1 + 0.5 * 5 / 6)
+    assert words_of(env, observation.token_ids)[0] == "->" and episode.state["call"] == pytest.approx(0.1 + 0.5 * 4 / 5)
     episode.add_observation(observation.token_ids)
-    assert turn(env, episode, target, finish="length") == Done(pytest.approx(0.1 + 0.5 * 5 / 6 + 0.3))
+    assert turn(env, episode, target, finish="length") == Done(pytest.approx(0.1 + 0.5 * 4 / 5 + 0.3))
     # A malformed call is an error observation, recorded; it still reached the tool.
     episode = Episode(prompt, env.start(prompt))
-    observation = turn(env, episode, ["calc", "-", "-", "<eos>"])
+    observation = turn(env, episode, ["calc", "calc", "<eos>"])
     assert words_of(env, observation.token_ids) == ["->", "error", "="]
-    assert episode.tools[0].error.startswith("calc failed: ValueError: not an expression")
+    assert episode.tools[0].error == "a call is calc and the 4 digits of the two operands"
     # A policy that never answers is cut off with its call's credit.
     assert env.cut_off(episode) == pytest.approx(0.1)
 
@@ -100,7 +100,7 @@ def test_limits_end_an_episode_flagged_and_a_bad_answer_names_the_environment(en
     prompt = env.sample_prompts(1, 0, np.random.default_rng(6))[0]
     expression = words_of(env, prompt.token_ids)[1:-1]
     episodes = []
-    for max_seq_len, turns in ((64, env.max_turns), (17, 1)):  # the turn limit; then no room for the next turn
+    for max_seq_len, turns in ((64, env.max_turns), (16, 1)):  # the turn limit; then no room for the next turn
         episode = Episode(prompt, env.start(prompt))
         for _ in range(turns):
             answer = turn(env, episode, ["calc", *expression, "<eos>"])
@@ -118,3 +118,21 @@ def test_limits_end_an_episode_flagged_and_a_bad_answer_names_the_environment(en
         apply_answer(env, episode, Done("1"), 64, check)
     with pytest.raises(TypeError, match="CalcEnv.step returned str; it must return an Observation or Done"):
         apply_answer(env, episode, "1", 64, check)
+
+
+def test_a_push_inside_a_turn_is_a_partial_rollout_and_one_between_turns_is_not(env):
+    from rlfw.rollout.queue import StalenessError, staleness
+
+    prompt = env.sample_prompts(1, 0, np.random.default_rng(7))[0]
+    between, inside = Episode(prompt, env.start(prompt)), Episode(prompt, env.start(prompt))
+    for episode, second in ((between, [2, 2]), (inside, [2, 3])):
+        episode.add_turn(Generation([5, 6], [0.0, 0.0], "stop", 2, token_versions=[2, 2]))
+        episode.add_observation([7])
+        episode.add_turn(Generation([5, 6], [0.0, 0.0], "stop", second[0], token_versions=second))
+    between.add_turn(Generation([5], [0.0], "stop", 3))  # a third turn, under the pushed weights
+    assert (between.partial, inside.partial) == (False, True)
+    versions = [between.versions, inside.versions]
+    stats = staleness(versions, 4, 2, [between.partial, inside.partial])
+    assert stats["loop/partial_rollout_frac"] == 0.5 and stats["loop/staleness_max"] == 2  # the oldest token: v2
+    with pytest.raises(StalenessError, match="sample 0 has tokens of policy versions \\[2, 3\\]"):
+        staleness(versions, 5, 2, [between.partial, inside.partial])

@@ -1,29 +1,29 @@
 """The calc task: subtract two numbers too long to subtract in one's head, with a calculator tool.
 
-The prompt is ``<bos> a1 .. aD - b1 .. bD =`` (two D-digit numbers, a >= b, zero-padded). A good episode has
-two turns:
+The prompt is ``<bos> a1 .. aD b1 .. bD =``: the digits of two D-digit numbers a >= b (zero-padded), whose
+difference is asked for. A good episode has two turns:
 
-    calc a1 .. aD - b1 .. bD <eos>        the policy calls the tool with the operands
-    -> d1 .. dD =                         the tool's answer (the difference, zero-padded to D digits)
+    calc a1 .. aD b1 .. bD <eos>          the policy calls the tool with the operands
+    -> d1 .. dD =                         the tool's answer (a - b, zero-padded to D digits)
     d1 .. dD <eos>                        the policy copies it as its final answer
 
-A turn that starts with ``calc`` is a call (the compact syntax: ``rlfw.rollout.envs.tools.parse_compact``); any
-other turn is the final answer and ends the episode. Why it is learnable from scratch by the tiny model, with
-partial credit (as in the copy task): the call is a copy of the prompt's expression, and the answer a copy of the
-tool's output, both at fixed offsets. Reward, in [0, 1]:
+A turn that starts with ``calc`` is a call, in the compact syntax (``rlfw.rollout.envs.tools.parse_compact``): its
+argument is the 2D digits, which the environment hands the calculator as ``a - b``; a call with anything else is
+an error observation. Any other turn is the final answer and ends the episode. Reward, in [0, 1]:
 
-* ``CALL_WEIGHT`` for calling the tool, plus ``OPERANDS_WEIGHT`` x the fraction of the expression's tokens, and
-  the ``<eos>`` after them, that the first call has at their position, when the call reached a tool (the
-  environment has it): calling must pay from the first step on, or the policy settles on answering by itself
-  before it ever learns to call;
+* ``CALL_WEIGHT`` for calling the tool, plus ``OPERANDS_WEIGHT`` x the fraction of the 2D digits, and the
+  ``<eos>`` after them, that the first call has at their position, when the call reached a tool (the environment
+  has it): calling must pay from the first step on, or the policy settles on answering by itself first;
 * ``ANSWER_WEIGHT`` x the fraction of the difference's D digits the final answer has at their position;
 * ``STOP_WEIGHT`` when the final answer is exactly D words and then ``<eos>``.
 
-Why a difference: every digit of the prompt, the call and the answer is close to uniform. A digit that is nearly
-always the same (a sum's carry, "1" half the time) is an easy reward for answering without the tool; the policy
-then writes that digit everywhere and stops exploring before it learns to copy.
+Why it is learnable from scratch by the tiny model: the call is the copy task (the prompt's digits at one fixed
+offset) and the answer another copy (the tool's digits), each with partial credit per position. Short runs showed
+what it must avoid: a token that is right at one position whatever the prompt (an operator between the operands,
+a sum's carry, "1" half the time) is an easy reward, and the policy writes it everywhere and stops exploring before
+it learns to copy. Here every digit is close to uniform.
 
-Without the tool (``task.tools=[]``) a call is an error observation and earns nothing: the policy must add
+Without the tool (``task.tools=[]``) a call is an error observation and earns nothing: the policy must subtract
 D-digit numbers itself, which the tiny model does not learn in minutes (BENCHMARKS.md measures both).
 """
 
@@ -60,7 +60,7 @@ class CalcEnv(ToolEnvironment):
         if set(self.tools) - {CALL}:
             raise ValueError(f"task.tools: the calc task knows only the tool named {CALL!r}, got {sorted(self.tools)}")
         self.digits = digits
-        self._tokenizer = build_tokenizer([*DIGITS, "-", CALL, RESULT, ERROR])
+        self._tokenizer = build_tokenizer([*DIGITS, CALL, RESULT, ERROR])
         self._words = self._tokenizer.convert_ids_to_tokens(list(range(len(self._tokenizer))))
         self._ids = dict(zip(self._words, range(len(self._words))))
         self._eos = self._ids[EOS]
@@ -73,16 +73,16 @@ class CalcEnv(ToolEnvironment):
 
     @property
     def max_response_len(self) -> int:
-        """A call: ``calc``, the 2D + 1 words of the expression, ``<eos>``."""
-        return 2 * self.digits + 3
+        """A call: ``calc``, the 2D digits, ``<eos>``."""
+        return 2 * self.digits + 2
 
     def sample_prompts(self, n: int, step: int = 0, rng: np.random.Generator | None = None) -> list[Prompt]:
         """``n`` fresh prompts drawn with ``rng`` (the step's), or with the environment's own generator."""
         rng = self._rng if rng is None else rng
         prompts = []
         for a, b in np.sort(rng.integers(0, 10**self.digits, size=(n, 2)), axis=1)[:, ::-1].tolist():
-            expression = [*self._padded(a), "-", *self._padded(b)]
-            prompts.append(Prompt(next(self._next_prompt_id), self._encode([BOS, *expression, SEPARATOR]),
+            operands = [*self._padded(a), *self._padded(b)]
+            prompts.append(Prompt(next(self._next_prompt_id), self._encode([BOS, *operands, SEPARATOR]),
                                   self._encode(self._padded(a - b))))
         return prompts
 
@@ -92,12 +92,11 @@ class CalcEnv(ToolEnvironment):
     def step(self, episode: Episode) -> Observation | Done:
         words = self._turn_words(episode.last_turn)
         if words and words[0] == CALL:
-            call = parse_compact(words, self.tools) or ToolCall(CALL, error="the calculator is disabled")
-            result = self.call_tool(episode, call)
+            result = self.call_tool(episode, self._call(words))
             if CALL in self.tools and len(episode.tools) == 1:  # the first call that reached the tool earns credit
-                expression = self._tokenizer.convert_ids_to_tokens(episode.prompt.token_ids[1:-1])
+                operands = self._tokenizer.convert_ids_to_tokens(episode.prompt.token_ids[1:-1])
                 call_words = self._words_of(episode.last_turn)[1:]  # with its <eos>
-                episode.state["call"] = CALL_WEIGHT + OPERANDS_WEIGHT * _matched(call_words, [*expression, EOS])
+                episode.state["call"] = CALL_WEIGHT + OPERANDS_WEIGHT * _matched(call_words, [*operands, EOS])
             ok = result.error is None and result.output.isdigit()  # a negative difference has no word
             answer = self._padded(int(result.output)) if ok else [ERROR]
             return Observation(self._encode([RESULT, *answer, SEPARATOR]))
@@ -107,6 +106,16 @@ class CalcEnv(ToolEnvironment):
 
     def cut_off(self, episode: Episode) -> float:
         return episode.state["call"]
+
+    def _call(self, words: list[str]) -> ToolCall:
+        """``calc`` and the 2D digits of the operands, as the calculator's ``a - b``."""
+        call = parse_compact(words, self.tools)
+        if call is None:
+            return ToolCall(CALL, error="the calculator is disabled")
+        digits = call.arguments["expression"].split()
+        if len(digits) != 2 * self.digits or not all(d in DIGITS for d in digits):
+            return ToolCall(CALL, error=f"a call is {CALL} and the {2 * self.digits} digits of the two operands")
+        return ToolCall(CALL, {"expression": f"{''.join(digits[:self.digits])} - {''.join(digits[self.digits:])}"})
 
     def _turn_words(self, ids: list[int]) -> list[str]:
         """The turn's words up to ``<eos>``."""
