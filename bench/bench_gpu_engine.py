@@ -82,11 +82,16 @@ def requests(n_prompts: int, samples: int, vocab: int, seed: int = 0) -> list[li
     return [p for p in prompts for _ in range(samples)]
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(engine: LocalEngine, reqs, params) -> tuple[float, list]:
-    torch.cuda.synchronize()
+    sync()
     started = time.perf_counter()
     out = engine.generate(reqs, params)
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - started, out
 
 
@@ -101,13 +106,13 @@ def full_forward_logprobs(engine: LocalEngine, prompt: list[int], gen, temperatu
 
 def bench_shape(name: str, args, rows: list[dict]) -> None:
     shape = SHAPES[name]
-    dev = torch.device("cuda")
+    dev = args.device
     reqs = requests(args.prompts, args.samples, shape.vocab_size)
     engines = {
-        "lockstep": LocalEngine(shape, EOS, PAD, seed=0, device="cuda", decoder="lockstep"),
-        "slots eager": LocalEngine(shape, EOS, PAD, seed=0, device="cuda", cuda_graphs=False),
-        "slots graphs": LocalEngine(shape, EOS, PAD, seed=0, device="cuda"),
-        f"slots graphs max_batch={args.refill}": LocalEngine(shape, EOS, PAD, seed=0, device="cuda",
+        "lockstep": LocalEngine(shape, EOS, PAD, seed=0, device=dev, decoder="lockstep"),
+        "slots eager": LocalEngine(shape, EOS, PAD, seed=0, device=dev, decoder="slots", cuda_graphs=False),
+        "slots graphs": LocalEngine(shape, EOS, PAD, seed=0, device=dev, decoder="slots"),
+        f"slots graphs max_batch={args.refill}": LocalEngine(shape, EOS, PAD, seed=0, device=dev, decoder="slots",
                                                              max_batch=args.refill),
     }
     reference = engines["slots graphs"]
@@ -129,13 +134,15 @@ def bench_shape(name: str, args, rows: list[dict]) -> None:
     for label, engine in engines.items():
         if label == "lockstep" and name not in args.lockstep_shapes:
             continue
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        on_cuda = torch.cuda.is_available()
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if on_cuda else 0
         first, out = timed(engine, reqs, params)
         second = None
-        if label != "lockstep":
+        if "graphs" in label:  # the first call captured the graphs: the second one is the steady state
             second, out = timed(engine, reqs, params)
-        peak = torch.cuda.max_memory_allocated() - base
+        peak = torch.cuda.max_memory_allocated() - base if on_cuda else 0
         tokens = sum(len(g.response_ids) for g in out)
         lengths = sorted(len(g.response_ids) for g in out)
         seconds = second if second is not None else first
@@ -166,7 +173,8 @@ def bench_shape(name: str, args, rows: list[dict]) -> None:
         log(json.dumps(rows[-1]))
     for label, engine in engines.items():
         engine.release_memory()
-    bench_push(name, reference, weights, rows)
+    if torch.cuda.is_available():
+        bench_push(name, reference, weights, rows)
     del engines, reference
     torch.cuda.empty_cache()
 
@@ -229,13 +237,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new", type=int, default=1024)
     parser.add_argument("--mean-len", type=float, default=300)
-    parser.add_argument("--eos-scales", type=lambda s: [float(x) for x in s.split(",")], default=[3.5, 4.0, 4.5, 5.0])
+    parser.add_argument("--eos-scales", type=lambda s: [float(x) for x in s.split(",")], default=[4.0, 4.5, 5.0])
+    parser.add_argument("--device", default="cuda")
     parser.add_argument("--refill", type=int, default=128)
     parser.add_argument("--lockstep-shapes", default="0.5b,1.5b")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = [{"kind": "env", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    rows: list[dict] = [{"kind": "env", "gpu": gpu, "torch": torch.__version__,
                          "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}]
     log(json.dumps(rows[0]))
     for name in args.shapes.split(","):
