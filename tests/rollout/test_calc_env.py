@@ -31,19 +31,18 @@ def test_a_good_episode_calls_the_tool_and_copies_its_answer(env):
     prompt = env.sample_prompts(1, 0, np.random.default_rng(3))[0]
     expression = words_of(env, prompt.token_ids)[1:-1]  # <bos> a1 a2 b1 b2 =
     a, b = int("".join(expression[:2])), int("".join(expression[2:]))
-    assert a >= b
     episode = Episode(prompt, env.start(prompt))
     answer = turn(env, episode, ["calc", *expression, "<eos>"])
     assert isinstance(answer, Observation)
-    assert words_of(env, answer.token_ids) == ["->", *f"{a - b:02d}", "="]
+    assert words_of(env, answer.token_ids) == ["->", *f"{a + b:03d}", "="]
     episode.add_observation(answer.token_ids)
-    done = turn(env, episode, [*f"{a - b:02d}", "<eos>"], version=1)
+    done = turn(env, episode, [*f"{a + b:03d}", "<eos>"], version=1)
     assert done == Done(pytest.approx(1.0))
     # One sequence: the prompt, the call, the observation, the answer; only the policy's tokens are trained.
     assert episode.tokens[:len(prompt.token_ids)] == prompt.token_ids
-    assert episode.loss_mask == [1.0] * 6 + [0.0] * 4 + [1.0] * 3
-    assert episode.logprobs == [-0.5] * 6 + [0.0] * 4 + [-0.5] * 3
-    assert episode.versions == [0] * 6 + [1] * 3 and not episode.partial  # a push between turns: not partial
+    assert episode.loss_mask == [1.0] * 6 + [0.0] * 5 + [1.0] * 4
+    assert episode.logprobs == [-0.5] * 6 + [0.0] * 5 + [-0.5] * 4
+    assert episode.versions == [0] * 6 + [1] * 4 and not episode.partial  # a push between turns: not partial
     assert [(r.name, r.error) for r in episode.tools] == [("calc", None)]
 
 
@@ -67,8 +66,11 @@ def test_partial_credit_and_what_a_wrong_call_earns(env):
     observation = turn(env, episode, ["calc", "calc", "<eos>"])
     assert words_of(env, observation.token_ids) == ["->", "error", "="]
     assert episode.tools[0].error == "a call is calc and the 4 digits of the two operands"
-    # A policy that never answers is cut off with its call's credit.
+    # A policy that never answers is cut off with its call's credit; a right answer after the failed call is a
+    # guess, and scores no more.
     assert env.cut_off(episode) == pytest.approx(0.1)
+    episode.add_observation(observation.token_ids)
+    assert turn(env, episode, [*target, "<eos>"]) == Done(pytest.approx(0.1))
 
 
 def test_without_the_tool_a_call_is_an_error_and_earns_nothing():
@@ -100,7 +102,7 @@ def test_limits_end_an_episode_flagged_and_a_bad_answer_names_the_environment(en
     prompt = env.sample_prompts(1, 0, np.random.default_rng(6))[0]
     expression = words_of(env, prompt.token_ids)[1:-1]
     episodes = []
-    for max_seq_len, turns in ((64, env.max_turns), (16, 1)):  # the turn limit; then no room for the next turn
+    for max_seq_len, turns in ((64, env.max_turns), (17, 1)):  # the turn limit; then no room for the next turn
         episode = Episode(prompt, env.start(prompt))
         for _ in range(turns):
             answer = turn(env, episode, ["calc", *expression, "<eos>"])

@@ -1,29 +1,32 @@
-"""The calc task: subtract two numbers too long to subtract in one's head, with a calculator tool.
+"""The calc task: add two numbers too long to add in one's head, with a calculator tool.
 
-The prompt is ``<bos> a1 .. aD b1 .. bD =``: the digits of two D-digit numbers a >= b (zero-padded), whose
-difference is asked for. A good episode has two turns:
+The prompt is ``<bos> a1 .. aD b1 .. bD =``: the digits of two D-digit numbers (zero-padded) whose sum is asked
+for. A good episode has two turns:
 
     calc a1 .. aD b1 .. bD <eos>          the policy calls the tool with the operands
-    -> d1 .. dD =                         the tool's answer (a - b, zero-padded to D digits)
-    d1 .. dD <eos>                        the policy copies it as its final answer
+    -> s0 s1 .. sD =                      the tool's answer (a + b, zero-padded to D + 1 digits)
+    s0 s1 .. sD <eos>                     the policy copies it as its final answer
 
 A turn that starts with ``calc`` is a call, in the compact syntax (``rlfw.rollout.envs.tools.parse_compact``): its
-argument is the 2D digits, which the environment hands the calculator as ``a - b``; a call with anything else is
+argument is the 2D digits, which the environment hands the calculator as ``a + b``; a call with anything else is
 an error observation. Any other turn is the final answer and ends the episode. Reward, in [0, 1]:
 
 * ``CALL_WEIGHT`` for calling the tool, plus ``OPERANDS_WEIGHT`` x the fraction of the 2D digits, and the
   ``<eos>`` after them, that the first call has at their position, when the call reached a tool (the environment
   has it): calling must pay from the first step on, or the policy settles on answering by itself first;
-* ``ANSWER_WEIGHT`` x the fraction of the difference's D digits the final answer has at their position;
-* ``STOP_WEIGHT`` when the final answer is exactly D words and then ``<eos>``.
+* ``ANSWER_WEIGHT`` x the fraction of the sum's D + 1 digits the final answer has at their position;
+* ``STOP_WEIGHT`` when the final answer is exactly D + 1 words and then ``<eos>``.
+
+An answer right after a call the tool could not answer (malformed, or no tool) scores only the call: it is a
+guess, and its random digits would drown the signal of the call's digits while the policy learns to call.
 
 Why it is learnable from scratch by the tiny model: the call is the copy task (the prompt's digits at one fixed
 offset) and the answer another copy (the tool's digits), each with partial credit per position. Short runs showed
 what it must avoid: a token that is right at one position whatever the prompt (an operator between the operands,
-a sum's carry, "1" half the time) is an easy reward, and the policy writes it everywhere and stops exploring before
-it learns to copy. Here every digit is close to uniform.
+the more frequent digit of sorted operands) is an easy reward, and the policy writes it everywhere and stops
+exploring before it learns to copy. The operands' digits are uniform.
 
-Without the tool (``task.tools=[]``) a call is an error observation and earns nothing: the policy must subtract
+Without the tool (``task.tools=[]``) a call is an error observation and earns nothing: the policy must add
 D-digit numbers itself, which the tiny model does not learn in minutes (BENCHMARKS.md measures both).
 """
 
@@ -49,7 +52,7 @@ CALL, RESULT, ERROR = "calc", "->", "error"
 
 
 class CalcEnv(ToolEnvironment):
-    """Differences of two ``digits``-digit numbers; ``tools``: the calculator (``[]`` disables it)."""
+    """Sums of two ``digits``-digit numbers; ``tools``: the calculator (``[]`` disables it)."""
 
     def __init__(self, tool_pool: Mapping[str, Any], digits: int = 2,
                  tools: Sequence[str] = ("rlfw.rollout.envs.builtin_tools.calc",), max_turns: int = 2,
@@ -80,14 +83,14 @@ class CalcEnv(ToolEnvironment):
         """``n`` fresh prompts drawn with ``rng`` (the step's), or with the environment's own generator."""
         rng = self._rng if rng is None else rng
         prompts = []
-        for a, b in np.sort(rng.integers(0, 10**self.digits, size=(n, 2)), axis=1)[:, ::-1].tolist():
-            operands = [*self._padded(a), *self._padded(b)]
+        for a, b in rng.integers(0, 10**self.digits, size=(n, 2)).tolist():
+            operands = [*f"{a:0{self.digits}d}", *f"{b:0{self.digits}d}"]
             prompts.append(Prompt(next(self._next_prompt_id), self._encode([BOS, *operands, SEPARATOR]),
-                                  self._encode(self._padded(a - b))))
+                                  self._encode(self._padded(a + b))))
         return prompts
 
-    def start(self, prompt: Prompt) -> dict[str, float]:
-        return {"call": 0.0}
+    def start(self, prompt: Prompt) -> dict[str, Any]:
+        return {"call": 0.0, "failed": False}
 
     def step(self, episode: Episode) -> Observation | Done:
         words = self._turn_words(episode.last_turn)
@@ -97,9 +100,11 @@ class CalcEnv(ToolEnvironment):
                 operands = self._tokenizer.convert_ids_to_tokens(episode.prompt.token_ids[1:-1])
                 call_words = self._words_of(episode.last_turn)[1:]  # with its <eos>
                 episode.state["call"] = CALL_WEIGHT + OPERANDS_WEIGHT * _matched(call_words, [*operands, EOS])
-            ok = result.error is None and result.output.isdigit()  # a negative difference has no word
-            answer = self._padded(int(result.output)) if ok else [ERROR]
+            episode.state["failed"] = result.error is not None
+            answer = self._padded(int(result.output)) if result.error is None else [ERROR]
             return Observation(self._encode([RESULT, *answer, SEPARATOR]))
+        if episode.state["failed"]:  # the answer to a failed call is a guess: scoring it only adds noise
+            return Done(self.cut_off(episode))
         target = self._tokenizer.convert_ids_to_tokens(episode.prompt.target)
         stops = len(words) == len(target) and episode.last_finish == "stop"
         return Done(self.cut_off(episode) + ANSWER_WEIGHT * _matched(words, target) + STOP_WEIGHT * stops)
@@ -115,7 +120,7 @@ class CalcEnv(ToolEnvironment):
         digits = call.arguments["expression"].split()
         if len(digits) != 2 * self.digits or not all(d in DIGITS for d in digits):
             return ToolCall(CALL, error=f"a call is {CALL} and the {2 * self.digits} digits of the two operands")
-        return ToolCall(CALL, {"expression": f"{''.join(digits[:self.digits])} - {''.join(digits[self.digits:])}"})
+        return ToolCall(CALL, {"expression": f"{''.join(digits[:self.digits])} + {''.join(digits[self.digits:])}"})
 
     def _turn_words(self, ids: list[int]) -> list[str]:
         """The turn's words up to ``<eos>``."""
@@ -127,7 +132,8 @@ class CalcEnv(ToolEnvironment):
         return [self._words[i] if i < len(self._words) else "?" for i in ids]
 
     def _padded(self, number: int) -> list[str]:
-        return [*f"{number:0{self.digits}d}"]
+        """D + 1 digits, zero-padded: the width of a sum of two D-digit numbers."""
+        return [*f"{number:0{self.digits + 1}d}"]
 
     def _encode(self, words: list[str]) -> list[int]:
         return [self._ids[w] for w in words]
