@@ -101,7 +101,7 @@ def test_weights_pushed_mid_generation_continue_the_requests_under_them(ray_loca
 
     cfg = compose_cfg(tmp_path, "rollout=vllm")
     shape, tokenizer = shape_of(cfg), CopyTask().tokenizer
-    kwargs = HeldVLLMEngine.init_kwargs(cfg, shape, tokenizer, seed=0, workdir=tmp_path / "engine")
+    kwargs = HeldVLLMEngine.init_kwargs(cfg, shape, tokenizer, seed=0, index=0, workdir=tmp_path / "engine")
     engine = ray.remote(HeldVLLMEngine).options(num_cpus=0.1, max_concurrency=4).remote(**kwargs)
     try:
         old, new = random_hf_state(shape, seed=1), random_hf_state(shape, seed=2)

@@ -22,7 +22,8 @@ of ``Engine``:
   ``generate`` calls: a push waits for the call under way.
 * ``health() -> dict``: cheap liveness answer with at least ``weight_version`` and the process ``pid``.
 * ``shutdown()``: release what the engine started (threads, processes, files) before its actor is killed.
-* ``init_kwargs(cfg, shape, tokenizer, seed, workdir)`` (classmethod): the constructor arguments for this run;
+* ``init_kwargs(cfg, shape, tokenizer, seed, index, workdir)`` (classmethod): the constructor arguments of engine
+  ``index`` (its slot in the pool) for this run;
   ``num_actors(cfg)`` (classmethod): how many engine actors a run has (``rollout.num_engines`` by default).
 
 ``ENGINES`` maps ``rollout.backend`` to the class, by import path, so a backend's dependencies (vLLM, an HTTP
@@ -60,8 +61,9 @@ class Engine(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, workdir: Path) -> dict[str, Any]:
-        """Constructor arguments for engine ``seed`` of the run configured by ``cfg`` (``workdir``: its files)."""
+    def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, index: int, workdir: Path) -> dict[str, Any]:
+        """Constructor arguments for engine ``index`` (sampling with ``seed``) of the run configured by ``cfg``
+        (``workdir``: its files)."""
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -120,7 +122,7 @@ def build_engine(cfg, shape: ModelShape, tokenizer, index: int, incarnation: int
     generate call."""
     cls = engine_class(cfg.rollout.backend)
     workdir = Path(cfg.run_dir or ".") / "rollout" / f"engine_{index}"
-    kwargs = cls.init_kwargs(cfg, shape, tokenizer, engine_seed(cfg, index, incarnation), workdir)
+    kwargs = cls.init_kwargs(cfg, shape, tokenizer, engine_seed(cfg, index, incarnation), index, workdir)
     selector = parse_labels(cfg.rollout.engine_label_selector) or None
     return ray.remote(cls).options(num_cpus=cfg.rollout.cpus_per_engine, num_gpus=engine_gpus(cfg),
                                    label_selector=selector,

@@ -71,7 +71,7 @@ class LocalEngine(Engine):
         self._handoff = WeightHandoff()  # weights pushed during a generate call wait for its next decode step
 
     @classmethod
-    def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, workdir: Path) -> dict[str, Any]:
+    def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, index: int, workdir: Path) -> dict[str, Any]:
         rollout = cfg.rollout
         return {"shape": shape, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
                 "seed": seed, "device": cfg.cluster.device, "max_batch": rollout.max_batch,

@@ -142,7 +142,7 @@ class SGLangEngine(Engine):
         )
 
     @classmethod
-    def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, workdir: Path) -> dict[str, Any]:
+    def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, index: int, workdir: Path) -> dict[str, Any]:
         sglang = cfg.rollout.sglang
         if OmegaConf.is_config(sglang):
             sglang = SGLangConfig(**OmegaConf.to_container(sglang, resolve=True))
@@ -151,7 +151,7 @@ class SGLangEngine(Engine):
             "shape": shape,
             "eos_token_id": tokenizer.eos_token_id,
             "seed": seed,
-            "index": _engine_index(workdir),
+            "index": index,
             "host": cfg.cluster.host,
             "joined": bool(cfg.cluster.address),
             "workdir": workdir,
@@ -443,10 +443,3 @@ def _in_thread(call: Callable[..., Any], *args: Any) -> futures.Future:
     threading.Thread(target=run, name="sglang-generate", daemon=True).start()
     return future
 
-
-def _engine_index(workdir: Path) -> int:
-    """The engine's slot, from the ``<run_dir>/rollout/engine_<i>`` directory the factory gives it."""
-    name = Path(workdir).name
-    if not name.startswith("engine_") or not name.removeprefix("engine_").isdigit():
-        raise ValueError(f"cannot tell the engine index from its workdir {workdir} (expected .../engine_<i>)")
-    return int(name.removeprefix("engine_"))

@@ -88,7 +88,7 @@ class VLLMEngine(Engine):
         self._handoff = WeightHandoff()  # weights pushed during a generate call wait for its next engine step
 
     @classmethod
-    def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, workdir: Path) -> dict[str, Any]:
+    def init_kwargs(cls, cfg, shape: ModelShape, tokenizer, seed: int, index: int, workdir: Path) -> dict[str, Any]:
         return {"shape": shape, "tokenizer": tokenizer, "seed": seed, "workdir": str(workdir),
                 "host": cfg.cluster.host, "joined": bool(cfg.cluster.address), "kv_cache_gb": cfg.rollout.kv_cache_gb}
 
