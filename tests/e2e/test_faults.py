@@ -116,10 +116,12 @@ def test_kills_in_the_allreduce_and_after_the_vote_with_several_optimizer_steps(
     """split=balanced, 3 optimizer steps per rollout (24 + 24 + 16 samples): a death inside the gradient
     all-reduce of the first minibatch, and one after the vote (the survivor commits that minibatch and trains
     the other two alone). ft.max_replacements=1: the second death gets no replacement, and the survivor trains
-    every later step alone."""
+    every later step alone. The cells run colocated (``cluster.placement=colocated``): the survivor's optimizer
+    state leaves between train calls and the replacement heals from it, and the final weights still match."""
     reference = reference_run(*CLASSIC2_MINIBATCHES)
     run_dir = run_rlfw(tmp_path / "run", *FAULTS, "dp.num_cells=2", "split=balanced", "algo.global_batch_size=24",
-                       "ft.max_replacements=1", *kills((1, 1, "during_allreduce", 0), (1, 3, "after_vote", 1)))
+                       "ft.max_replacements=1", "cluster.placement=colocated",
+                       *kills((1, 1, "during_allreduce", 0), (1, 3, "after_vote", 1)))
     events = check_run(run_dir, reference, steps_alone={1: [0], **{step: [0] for step in range(4, STEPS)}})
     assert [f[:3] for f in failed(events)] == [(1, 1, 0), (3, 1, 1)]
     assert heal_steps(events) == [2]
