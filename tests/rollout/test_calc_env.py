@@ -53,14 +53,14 @@ def test_partial_credit_and_what_a_wrong_call_earns(env):
     # An answer without calling: all digits but the last, then a stop.
     episode = Episode(prompt, env.start(prompt))
     assert turn(env, episode, [*target[:-1], "9" if target[-1] != "9" else "8", "<eos>"]) == Done(
-        pytest.approx(0.3 * (len(target) - 1) / len(target) + 0.1))
+        pytest.approx(0.4 * (len(target) - 1) / len(target) + 0.1))
     # A call with one operand digit wrong reaches the tool; the answer ran out of tokens (no stop credit).
     episode = Episode(prompt, env.start(prompt))
     wrong = [*expression[:3], "0" if expression[3] != "0" else "1"]
     observation = turn(env, episode, ["calc", *wrong, "<eos>"])
-    assert words_of(env, observation.token_ids)[0] == "->" and episode.state["call"] == pytest.approx(0.1 + 0.5 * 4 / 5)
+    assert words_of(env, observation.token_ids)[0] == "->" and episode.state["call"] == pytest.approx(0.05 + 0.45 * 3 / 4)
     episode.add_observation(observation.token_ids)
-    assert turn(env, episode, target, finish="length") == Done(pytest.approx(0.1 + 0.5 * 4 / 5 + 0.3))
+    assert turn(env, episode, target, finish="length") == Done(pytest.approx(0.05 + 0.45 * 3 / 4 + 0.4))
     # A malformed call is an error observation, recorded; it still reached the tool.
     episode = Episode(prompt, env.start(prompt))
     observation = turn(env, episode, ["calc", "calc", "<eos>"])
@@ -68,9 +68,9 @@ def test_partial_credit_and_what_a_wrong_call_earns(env):
     assert episode.tools[0].error == "a call is calc and the 4 digits of the two operands"
     # A policy that never answers is cut off with its call's credit; a right answer after the failed call is a
     # guess, and scores no more.
-    assert env.cut_off(episode) == pytest.approx(0.1)
+    assert env.cut_off(episode) == pytest.approx(0.05)
     episode.add_observation(observation.token_ids)
-    assert turn(env, episode, [*target, "<eos>"]) == Done(pytest.approx(0.1))
+    assert turn(env, episode, [*target, "<eos>"]) == Done(pytest.approx(0.05))
 
 
 def test_without_the_tool_a_call_is_an_error_and_earns_nothing():
@@ -108,7 +108,7 @@ def test_limits_end_an_episode_flagged_and_a_bad_answer_names_the_environment(en
             answer = turn(env, episode, ["calc", *expression, "<eos>"])
             apply_answer(env, episode, answer, max_seq_len, check)
         assert episode.end == ("turn_limit" if turns > 1 else "token_limit") and episode.truncated
-        assert episode.reward == pytest.approx(0.6) and episode.turns == turns
+        assert episode.reward == pytest.approx(0.5) and episode.turns == turns
         episodes.append(episode)
     stats = episode_stats(episodes, env_seconds=1.0, generate_seconds=4.0)
     assert stats["env/turn_limit_episodes"] == stats["env/token_limit_episodes"] == 1

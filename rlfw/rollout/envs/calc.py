@@ -11,9 +11,9 @@ A turn that starts with ``calc`` is a call, in the compact syntax (``rlfw.rollou
 argument is the 2D digits, which the environment hands the calculator as ``a + b``; a call with anything else is
 an error observation. Any other turn is the final answer and ends the episode. Reward, in [0, 1]:
 
-* ``CALL_WEIGHT`` for calling the tool, plus ``OPERANDS_WEIGHT`` x the fraction of the 2D digits, and the
-  ``<eos>`` after them, that the first call has at their position, when the call reached a tool (the environment
-  has it): calling must pay from the first step on, or the policy settles on answering by itself first;
+* ``CALL_WEIGHT`` for calling the tool, plus ``OPERANDS_WEIGHT`` x the fraction of the 2D digits that the first
+  call has at their position, when the call reached a tool (the environment has it): calling must pay from the
+  first step on, or the policy settles on answering by itself first;
 * ``ANSWER_WEIGHT`` x the fraction of the sum's D + 1 digits the final answer has at their position;
 * ``STOP_WEIGHT`` when the final answer is exactly D + 1 words and then ``<eos>``.
 
@@ -23,8 +23,9 @@ guess, and its random digits would drown the signal of the call's digits while t
 Why it is learnable from scratch by the tiny model: the call is the copy task (the prompt's digits at one fixed
 offset) and the answer another copy (the tool's digits), each with partial credit per position. Short runs showed
 what it must avoid: a token that is right at one position whatever the prompt (an operator between the operands,
-the more frequent digit of sorted operands) is an easy reward, and the policy writes it everywhere and stops
-exploring before it learns to copy. The operands' digits are uniform.
+the more frequent digit of sorted operands, the call's closing <eos>) is an easy reward, and the policy writes it
+everywhere and stops exploring before it learns to copy. The operands' digits are uniform, and what follows them
+in a call is ignored (the turn ends at its token limit).
 
 Without the tool (``task.tools=[]``) a call is an error observation and earns nothing: the policy must add
 D-digit numbers itself, which the tiny model does not learn in minutes (BENCHMARKS.md measures both).
@@ -46,7 +47,7 @@ from rlfw.rollout.envs.tools import ToolCall, parse_compact
 from rlfw.rollout.tokenizer import BOS, EOS, SEPARATOR, build_tokenizer
 from rlfw.rollout.types import Prompt
 
-CALL_WEIGHT, OPERANDS_WEIGHT, ANSWER_WEIGHT, STOP_WEIGHT = 0.1, 0.5, 0.3, 0.1
+CALL_WEIGHT, OPERANDS_WEIGHT, ANSWER_WEIGHT, STOP_WEIGHT = 0.05, 0.45, 0.4, 0.1
 DIGITS = [str(d) for d in range(10)]
 CALL, RESULT, ERROR = "calc", "->", "error"
 
@@ -66,7 +67,6 @@ class CalcEnv(ToolEnvironment):
         self._tokenizer = build_tokenizer([*DIGITS, CALL, RESULT, ERROR])
         self._words = self._tokenizer.convert_ids_to_tokens(list(range(len(self._tokenizer))))
         self._ids = dict(zip(self._words, range(len(self._words))))
-        self._eos = self._ids[EOS]
         self._rng = np.random.default_rng(seed)
         self._next_prompt_id = itertools.count()
 
@@ -98,8 +98,7 @@ class CalcEnv(ToolEnvironment):
             result = self.call_tool(episode, self._call(words))
             if CALL in self.tools and len(episode.tools) == 1:  # the first call that reached the tool earns credit
                 operands = self._tokenizer.convert_ids_to_tokens(episode.prompt.token_ids[1:-1])
-                call_words = self._words_of(episode.last_turn)[1:]  # with its <eos>
-                episode.state["call"] = CALL_WEIGHT + OPERANDS_WEIGHT * _matched(call_words, [*operands, EOS])
+                episode.state["call"] = CALL_WEIGHT + OPERANDS_WEIGHT * _matched(words[1:], operands)
             episode.state["failed"] = result.error is not None
             answer = self._padded(int(result.output)) if result.error is None else [ERROR]
             return Observation(self._encode([RESULT, *answer, SEPARATOR]))
@@ -113,23 +112,20 @@ class CalcEnv(ToolEnvironment):
         return episode.state["call"]
 
     def _call(self, words: list[str]) -> ToolCall:
-        """``calc`` and the 2D digits of the operands, as the calculator's ``a - b``."""
+        """``calc`` and the 2D digits of the operands (what follows them is ignored), as the calculator's
+        ``a + b``."""
         call = parse_compact(words, self.tools)
         if call is None:
             return ToolCall(CALL, error="the calculator is disabled")
-        digits = call.arguments["expression"].split()
+        digits = call.arguments["expression"].split()[:2 * self.digits]
         if len(digits) != 2 * self.digits or not all(d in DIGITS for d in digits):
             return ToolCall(CALL, error=f"a call is {CALL} and the {2 * self.digits} digits of the two operands")
         return ToolCall(CALL, {"expression": f"{''.join(digits[:self.digits])} + {''.join(digits[self.digits:])}"})
 
     def _turn_words(self, ids: list[int]) -> list[str]:
-        """The turn's words up to ``<eos>``."""
-        words = self._words_of(ids)
+        """The turn's words up to ``<eos>``; ids past the vocabulary (the embedding is padded) read as ``?``."""
+        words = [self._words[i] if i < len(self._words) else "?" for i in ids]
         return words[:words.index(EOS)] if EOS in words else words
-
-    def _words_of(self, ids: list[int]) -> list[str]:
-        """Ids past the vocabulary (the embedding is padded) read as ``?``."""
-        return [self._words[i] if i < len(self._words) else "?" for i in ids]
 
     def _padded(self, number: int) -> list[str]:
         """D + 1 digits, zero-padded: the width of a sum of two D-digit numbers."""
