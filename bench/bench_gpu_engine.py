@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,19 +43,16 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlfw.model.shape import ModelShape  # noqa: E402
+from bench.gpu.model import QWEN2_1P5B, TINY  # noqa: E402
 from rlfw.rollout.engines.local import LocalEngine  # noqa: E402
 from rlfw.rollout.types import SamplingParams  # noqa: E402
 
+# Qwen2's own shapes: biases on q/k/v, tied embeddings (the trainer benchmark's 1.5B row has neither)
 SHAPES = {
-    "0.5b": ModelShape(num_layers=24, hidden_size=896, num_attention_heads=14, num_query_groups=2,
-                       ffn_hidden_size=4864, vocab_size=151936, max_seq_len=2048, qkv_bias=True,
-                       tie_word_embeddings=True, rope_theta=1e6, norm_epsilon=1e-6),
-    "1.5b": ModelShape(num_layers=28, hidden_size=1536, num_attention_heads=12, num_query_groups=2,
-                       ffn_hidden_size=8960, vocab_size=151936, max_seq_len=2048, qkv_bias=True,
-                       tie_word_embeddings=True, rope_theta=1e6, norm_epsilon=1e-6),
-    "tiny": ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-                       vocab_size=512, max_seq_len=256),
+    "0.5b": replace(QWEN2_1P5B, num_layers=24, hidden_size=896, num_attention_heads=14, head_dim=64,
+                    ffn_hidden_size=4864, max_seq_len=2048, qkv_bias=True, tie_word_embeddings=True),
+    "1.5b": replace(QWEN2_1P5B, max_seq_len=2048, qkv_bias=True, tie_word_embeddings=True),
+    "tiny": TINY,
 }
 EOS, PAD = 2, 0
 
