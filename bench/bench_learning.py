@@ -1,4 +1,6 @@
-"""Learning benchmark: the default run's reward curve, time to the first step, wall time.
+"""Learning benchmark: the default run's reward curve, time to the first step, time to a mean reward of 0.8 (over
+10 steps), the final reward, wall time, and the steps that trained nothing (|loss| < 1e-6: every group's samples
+scored alike, so no gradient).
 
     .venv/bin/python bench/bench_learning.py [--steps 200]
 """
@@ -26,8 +28,13 @@ def main() -> None:
     print(table(["step", f"reward/mean (avg of {window} steps)", "elapsed s"], curve))
     first = sum(r["reward/mean"] for r in rows[:window]) / window
     last = sum(r["reward/mean"] for r in rows[-window:]) / window
+    reached = next((r for i, r in enumerate(rows[window - 1:]) if
+                    sum(x["reward/mean"] for x in rows[i:i + window]) / window >= 0.8), None)
     summary = {"steps": len(rows), "reward_first10": first, "reward_last10": last,
-               "first_step_s": run["first_step_s"], "wall_s": run["wall_s"]}
+               "first_step_s": run["first_step_s"],
+               "step_at_0.8": reached["step"] if reached else None,
+               "elapsed_at_0.8_s": reached["time/elapsed"] if reached else None,
+               "steps_without_gradient": sum(abs(r["loss"]) < 1e-6 for r in rows), "wall_s": run["wall_s"]}
     print(table(list(summary), [list(summary.values())]))
     (OUT / "learning.json").write_text(json.dumps(summary, indent=1))
 

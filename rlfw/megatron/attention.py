@@ -13,7 +13,8 @@ Inputs are what Megatron's ``SelfAttention`` passes to core attention: ``query``
 Packed sequences come as offsets, never as a mask: ``packed_seq_params`` carries cumulative sequence lengths
 (``cu_seqlens``), and each sequence runs causal attention on its own, through
 ``torch.nn.attention.varlen.varlen_attn`` (flash, variable length) on CUDA in bf16/fp16, else one causal SDPA call
-per sequence. Two layouts: ``PackedRow`` (``qkv_format="sbhd"``: one ``[T, 1]`` row, the layout rlfw's packing
+per sequence, or, where padding costs little (``padding_pays``), one causal SDPA call over the sequences
+right-padded to the longest (the CPU's short RL samples: a call costs more than its arithmetic there). Two layouts: ``PackedRow`` (``qkv_format="sbhd"``: one ``[T, 1]`` row, the layout rlfw's packing
 uses, see its docstring) and Megatron's THD (``qkv_format="thd"``: ``query`` ``[t, np, hn]``, output
 ``[t, np * hn]``).
 
@@ -23,8 +24,9 @@ recognised once per mask tensor and turned into offsets; any other mask goes to 
 (SDPA's convention is the opposite: True = attend). Rows whose mask hides every key are not supported (SDPA returns
 NaN there; Megatron a uniform mix).
 
-``PACKED_IMPL`` is the path of packed sequences: ``auto`` (varlen where usable, else per sequence); the tests set
-``varlen``, ``loop`` (per-sequence SDPA) or ``mask`` (a recognised block mask goes to SDPA as it is) to hold the
+``PACKED_IMPL`` is the path of packed sequences: ``auto`` (varlen where usable, else one padded batch where padding
+pays, else per sequence); the tests set ``varlen``, ``padded`` (always one padded batch), ``loop`` (per-sequence
+SDPA) or ``mask`` (a recognised block mask goes to SDPA as it is) to hold the
 paths against each other.
 """
 
@@ -299,6 +301,24 @@ class SDPAttention(MegatronModule):
                                dropout_p)  # [t, h * d]
         return out.unsqueeze(1) if fmt == "sbhd" else out
 
+    def _padded(self, q: Tensor, k: Tensor, v: Tensor, lengths: list[int], dropout_p: float) -> Tensor:
+        """Causal self-attention of ``[t, h, d]`` sequences packed back to back, as one batch right-padded to the
+        longest: a real position attends only to the real positions before it, so the padding changes no output
+        (padded positions are computed, then dropped). -> ``[t, h * d]``."""
+        t, np_, hn = q.shape
+        longest = max(lengths)
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=q.device),
+                                      torch.tensor(lengths, device=q.device))
+        starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1], device=q.device)
+        pos = torch.arange(t, device=q.device) - starts[seq]
+
+        def pad(x: Tensor) -> Tensor:  # [t, h, d] -> [longest, n, h, d]
+            out = x.new_zeros(longest, len(lengths), x.size(1), x.size(2))
+            return out.index_put((pos, seq), x)
+
+        out = self._sdpa(pad(q), pad(k), pad(v), None, True, dropout_p)  # [longest, n, h * d]
+        return out[pos, seq]
+
     def _by_offsets(self, q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, dropout_p: float) -> Tensor:
         """Attention of ``[t, h, d]`` sequences packed back to back (``cu_*``: int32 offsets) -> ``[t, h * d]``."""
         t, np_, hn = q.shape
@@ -308,6 +328,10 @@ class SDPAttention(MegatronModule):
             out = _run_varlen(q, k, v, cu_q.int(), cu_k.int(), int(max_q), int(max_k), causal, self.softmax_scale)
             return out.reshape(t, np_ * hn)
         bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+        if causal and bounds_q == bounds_k and PACKED_IMPL in ("auto", "padded"):
+            lengths = [b - a for a, b in itertools.pairwise(bounds_q)]
+            if PACKED_IMPL == "padded" or padding_pays(lengths):
+                return self._padded(q, k, v, lengths, dropout_p)
         outs = []
         for (q0, q1), (k0, k1) in zip(itertools.pairwise(bounds_q), itertools.pairwise(bounds_k)):
             qs, ks, vs = q[q0:q1].unsqueeze(1), k[k0:k1].unsqueeze(1), v[k0:k1].unsqueeze(1)
@@ -318,6 +342,13 @@ class SDPAttention(MegatronModule):
             else:
                 outs.append(self._sdpa(qs, ks, vs, None, causal and n_q > 1, dropout_p))
         return torch.cat(outs, dim=0).reshape(t, np_ * hn)
+
+
+def padding_pays(lengths: list[int]) -> bool:
+    """Whether one SDPA call over the sequences right-padded to the longest beats one call per sequence: on the
+    CPU a call costs far more than its arithmetic for short sequences, so the padded batch wins while its
+    attention work (sequences x longest^2) stays within twice the sequences' own (the sum of their squares)."""
+    return len(lengths) > 1 and len(lengths) * max(lengths) ** 2 <= 2 * sum(n * n for n in lengths)
 
 
 def segments_to_cu_seqlens(lengths: list[int], device=None) -> tuple[Tensor, int]:

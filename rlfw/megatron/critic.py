@@ -61,10 +61,10 @@ def value_loss(
 class ValueModel(torch.nn.Module):
     """``GPTModel`` trunk (no final stage) -> RMSNorm -> ``Linear(hidden, 1)``; returns values ``[batch, tokens]``."""
 
-    def __init__(self, shape: ModelShape, config, core_attention: str = "auto", device: torch.device | None = None):
+    def __init__(self, shape: ModelShape, config, core_attention: str = "auto"):
         super().__init__()
         self.config = config  # Megatron's schedules read the model's TransformerConfig
-        self.trunk = build_gpt(shape, config, core_attention, post_process=False, device=device)
+        self.trunk = build_gpt(shape, config, core_attention, post_process=False)
         self.model_type = self.trunk.model_type  # read by Megatron's schedules
         self.final_norm = torch.nn.RMSNorm(shape.hidden_size, eps=shape.norm_epsilon, dtype=config.params_dtype)
         self.value_head = torch.nn.Linear(shape.hidden_size, 1, dtype=config.params_dtype)
@@ -121,7 +121,7 @@ class ValueTrainer:
         seed = init_seed if critic.init_from_policy else init_seed + 1
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=device.type == "cpu")
-        module = ValueModel(shape, self.config, core_attention, device).to(device)
+        module = ValueModel(shape, self.config, core_attention).to(device)
         self.dense_mask = not takes_sequence_offsets(module)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False

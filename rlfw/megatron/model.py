@@ -3,8 +3,8 @@
 Three switches cover the Hugging Face families rlfw converts one-to-one (see ``rlfw.model.hf_convert``):
 ``qkv_bias`` (Qwen2), ``qk_layernorm`` (Qwen3) and ``tie_word_embeddings``; with none of them it is
 ``LlamaForCausalLM``. The Megatron *local* layer spec is used
-on every device; on CUDA its core attention is ``rlfw.megatron.attention.SDPAttention``
-(PyTorch's fused kernels) unless ``core_attention="megatron"`` asks for Megatron's unfused one.
+on every device, with ``rlfw.megatron.attention.SDPAttention`` (PyTorch's fused kernels) as its core attention
+unless ``core_attention="megatron"`` asks for Megatron's unfused one.
 """
 
 from __future__ import annotations
@@ -91,11 +91,13 @@ def transformer_config(shape: ModelShape, tp: int = 1, pp: int = 1, bf16: bool =
 CORE_ATTENTION = ("auto", "sdpa", "megatron")
 
 
-def layer_spec(shape: ModelShape, core_attention: str = "auto", device: torch.device | None = None):
+def layer_spec(shape: ModelShape, core_attention: str = "auto"):
     """The transformer layer spec. ``core_attention``: ``"megatron"`` is Megatron's local spec with its unfused
     ``DotProductAttention``; ``"sdpa"`` the local spec with ``rlfw.megatron.attention.SDPAttention`` (PyTorch's fused
-    kernels, varlen flash for packed rows); ``"auto"`` is SDPA on CUDA and Megatron's own attention on CPU, by
-    ``device`` (where the model runs; None: CUDA if this process sees a GPU), like ``transformer_config``.
+    kernels, varlen flash for packed rows on CUDA, one padded batch of a row's sequences on the CPU); ``"auto"`` is
+    SDPA on every device: on the CPU Megatron's attention over a packed row of short sequences computes the row's
+    whole T x T score matrix under a block mask, 2.3x the step time of SDPA's padded batch in ``bench_cpu_step``
+    (BENCHMARKS.md).
 
     Transformer Engine's spec is not used: its attention reads sequence offsets only in THD format, not from the
     ``PackedRow`` (``sbhd``) that carries rlfw's packed rows, so sequences packed into one row would attend to each
@@ -103,8 +105,7 @@ def layer_spec(shape: ModelShape, core_attention: str = "auto", device: torch.de
     if core_attention not in CORE_ATTENTION:
         raise ValueError(f"core_attention must be one of {CORE_ATTENTION}, not {core_attention!r}")
     if core_attention == "auto":
-        on_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
-        core_attention = "sdpa" if on_cuda else "megatron"
+        core_attention = "sdpa"
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_layernorm)
@@ -115,17 +116,15 @@ def layer_spec(shape: ModelShape, core_attention: str = "auto", device: torch.de
     return spec
 
 
-def build_gpt(shape: ModelShape, config, core_attention: str = "auto", post_process: bool = True,
-              device: torch.device | None = None) -> torch.nn.Module:
+def build_gpt(shape: ModelShape, config, core_attention: str = "auto", post_process: bool = True) -> torch.nn.Module:
     """A GPTModel for this pipeline stage (parallel_state must be initialised); ``post_process=False`` leaves out
-    the final norm and output layer on every stage (the critic's trunk, ``rlfw.megatron.critic``); ``device``: where
-    it will run, which ``core_attention="auto"`` follows (``layer_spec``)."""
+    the final norm and output layer on every stage (the critic's trunk, ``rlfw.megatron.critic``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(shape, core_attention, device),
+        transformer_layer_spec=layer_spec(shape, core_attention),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_seq_len,
         pre_process=parallel_state.is_pipeline_first_stage(),

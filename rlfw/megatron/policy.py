@@ -44,14 +44,14 @@ class PolicyTrainer:
         torch.manual_seed(init_seed)
         # On CPU there is no CUDA RNG to track: the inference tracker's fork() is a no-op (no dropout is used).
         tensor_parallel.model_parallel_cuda_manual_seed(init_seed, inference_rng_tracker=device.type == "cpu")
-        module = build_gpt(shape, self.config, core_attention, device=device).to(device)
+        module = build_gpt(shape, self.config, core_attention).to(device)
         emit_hidden_states(module)  # the head runs chunked in the loss (``_head``), never as [tokens, vocab]
         # Packed rows reach SDPAttention as sequence offsets; only Megatron's own attention needs T x T masks.
         self.dense_mask = not takes_sequence_offsets(module)
         self.reference = None
         if needs_reference(algo):
             # A second model loaded with the policy's weights: deepcopy cannot copy the process groups TP layers hold.
-            self.reference = build_gpt(shape, self.config, core_attention, device=device).to(device)
+            self.reference = build_gpt(shape, self.config, core_attention).to(device)
             self.reference.load_state_dict(module.state_dict())
             emit_hidden_states(self.reference)
             self.reference.eval().requires_grad_(False)
