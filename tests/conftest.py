@@ -35,6 +35,8 @@ def pytest_sessionfinish(session, exitstatus):
     started is still running, and kill it."""
     from process_marks import leftover_processes
 
+    if "wandb" in sys.modules:  # W&B's service process serves this process' runs until it exits: ended first
+        sys.modules["wandb"].teardown()
     leftovers = leftover_processes(SESSION_MARK, os.environ[SESSION_MARK], LEFTOVER_GRACE_S)
     if leftovers:
         names = ", ".join(f"{p.pid} {' '.join(p.cmdline())[:80]!r}" for p in leftovers)
