@@ -21,6 +21,8 @@ Differences that remain, and the side each favours:
   cores). The layouts are the products' defaults; the thread split favours TRL on the forward/backward.
 * rlfw pushes the new weights to its engine every step and checks the replicas' weight digests every 10 steps
   (``ft.verify_weights_every``); TRL generates with the model it trains. Favours TRL.
+* rlfw saves its final checkpoint after the last step (``checkpoint.save_final``, the default), inside its
+  shutdown figure; TRL saves nothing (``save_strategy="no"``). Favours TRL on shutdown.
 * rlfw logs jsonl only here (``logger=jsonl``; its default also writes an offline W&B run), TRL logs nothing
   (``report_to="none"``). Favours TRL slightly.
 * The initial weights differ (Megatron's init against transformers'), so the sampled tokens differ; the amount of
