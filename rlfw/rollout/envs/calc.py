@@ -20,15 +20,16 @@ an error observation. Any other turn is the final answer and ends the episode. R
 An answer right after a call the tool could not answer (malformed, or no tool) scores only the call: it is a
 guess, and its random digits would drown the signal of the call's digits while the policy learns to call.
 
-Why it is learnable from scratch by the tiny model: the call is the copy task (the prompt's digits at one fixed
-offset) and the answer another copy (the tool's digits), each with partial credit per position. Short runs showed
+The design aims at a task the tiny model learns from scratch: the call is the copy task (the prompt's digits at
+one fixed offset) and the answer another copy (the tool's digits), each with partial credit per position. It does
+not learn it yet (BENCHMARKS.md: the policy learns to call, then collapses before it copies). Short runs showed
 what it must avoid: a token that is right at one position whatever the prompt (an operator between the operands,
 the more frequent digit of sorted operands, the call's closing <eos>) is an easy reward, and the policy writes it
 everywhere and stops exploring before it learns to copy. The operands' digits are uniform, and what follows them
 in a call is ignored (the turn ends at its token limit).
 
 Without the tool (``task.tools=[]``) a call is an error observation and earns nothing: the policy must add
-D-digit numbers itself, which the tiny model does not learn in minutes (BENCHMARKS.md measures both).
+D-digit numbers itself, and at most 0.5 (the answer and the stop) is reachable.
 """
 
 from __future__ import annotations
