@@ -76,12 +76,10 @@ class Environment(abc.ABC):
         """Release what the environment started (tool workers); called when the rollout manager shuts down."""
 
 
-class OneTurn(Environment):
-    """A single-turn task (``sample_prompts``, ``reward(prompt, response_ids)``, ``tokenizer``,
-    ``max_response_len``) as a one-turn environment: the turn is the response, and its reward ends the episode."""
+class TaskPrompts:
+    """An environment's prompts, tokenizer and turn length, taken from a single-turn task (``self.task``)."""
 
-    def __init__(self, task) -> None:
-        self.task = task
+    task: Any
 
     @property
     def tokenizer(self):
@@ -93,6 +91,14 @@ class OneTurn(Environment):
 
     def sample_prompts(self, n: int, step: int, rng) -> list[Prompt]:
         return self.task.sample_prompts(n, step, rng)
+
+
+class OneTurn(TaskPrompts, Environment):
+    """A single-turn task (``sample_prompts``, ``reward(prompt, response_ids)``, ``tokenizer``,
+    ``max_response_len``) as a one-turn environment: the turn is the response, and its reward ends the episode."""
+
+    def __init__(self, task) -> None:
+        self.task = task
 
     def step(self, episode: Episode) -> Done:
         return Done(self.task.reward(episode.prompt, episode.last_turn))

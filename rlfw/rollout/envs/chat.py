@@ -15,18 +15,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlfw.rollout.envs.base import Done, Observation
+from rlfw.rollout.envs.base import Done, Observation, TaskPrompts
 from rlfw.rollout.envs.episode import Episode
 from rlfw.rollout.envs.tool_env import ToolEnvironment
 from rlfw.rollout.envs.tools import ToolCall, parse_tool_calls
 from rlfw.rollout.tasks.dataset import DatasetTask
-from rlfw.rollout.types import Prompt
 
 # Stands for the conversation before the observation: only the template's text after it is kept.
 _BEFORE = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "?"}]
 
 
-class ChatToolEnv(ToolEnvironment):
+class ChatToolEnv(TaskPrompts, ToolEnvironment):
     """``dataset``: the ``DatasetTask`` arguments (its ``system_prompt`` should tell the model its tools and the
     call format); ``tools``, ``tool_pool``, ``max_turns``: as ``ToolEnvironment``; ``max_calls_per_turn``: calls
     past it are answered with an error."""
@@ -46,17 +45,6 @@ class ChatToolEnv(ToolEnvironment):
         if self._eos_text not in before:
             raise ValueError(f"the chat template does not end an assistant turn with the eos token {self._eos_text!r}")
         self._before = before[:before.rindex(self._eos_text) + len(self._eos_text)]
-
-    @property
-    def tokenizer(self):
-        return self.task.tokenizer
-
-    @property
-    def max_response_len(self) -> int:
-        return self.task.max_response_len
-
-    def sample_prompts(self, n: int, step: int, rng) -> list[Prompt]:
-        return self.task.sample_prompts(n, step, rng)
 
     def step(self, episode: Episode) -> Observation | Done:
         vocab = len(self.tokenizer)
