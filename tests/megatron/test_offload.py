@@ -1,10 +1,8 @@
 """The colocated handover: a trainer's optimizer state and gradient buffers leave the device and come back bitwise,
 and the run goes on as if they had never left."""
 
-import random
-
-import pytest
 import torch
+from random_rollouts import random_rollout
 
 from rlfw.config.schema import AlgoConfig
 from rlfw.data.batch import RolloutBatch
@@ -23,16 +21,7 @@ def make_trainer():
 
 
 def batch_for(trainer, seed: int) -> RolloutBatch:
-    rng = random.Random(seed)
-    cols = {k: [] for k in ("sample_id", "group_id", "tokens", "prompt_len", "advantage")}
-    for i in range(8):
-        p, r = rng.randint(1, 5), rng.randint(1, 8)
-        cols["sample_id"].append(i)
-        cols["group_id"].append(i // 4)
-        cols["tokens"].append([rng.randrange(SHAPE.vocab_size) for _ in range(p + r)])
-        cols["prompt_len"].append(p)
-        cols["advantage"].append(rng.gauss(0.0, 1.0))
-    batch = RolloutBatch(cols, {"step": seed})
+    batch = random_rollout(SHAPE.vocab_size, 8, seed, max_prompt=5, max_response=8)
     batch.samples.update(trainer.logprobs(batch))
     (minibatch,) = batch.minibatches(0)
     return minibatch

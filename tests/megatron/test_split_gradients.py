@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from random_rollouts import random_rollout
 
 from rlfw.config.schema import AlgoConfig
 from rlfw.data.batch import RolloutBatch, split_batch
@@ -35,16 +36,7 @@ def trainer(megatron_world):
 @pytest.fixture(scope="module")
 def rollout(trainer):
     """13 samples of varied prompt/response lengths (at most 16 tokens), advantages, and the trainer's log-probs."""
-    rng = random.Random(0)
-    cols = {k: [] for k in ("sample_id", "group_id", "tokens", "prompt_len", "advantage")}
-    for i in range(NUM_SAMPLES):
-        p, r = rng.randint(1, 6), rng.randint(1, 10)
-        cols["sample_id"].append(i)
-        cols["group_id"].append(i // 4)
-        cols["tokens"].append([rng.randrange(SHAPE.vocab_size) for _ in range(p + r)])
-        cols["prompt_len"].append(p)
-        cols["advantage"].append(rng.gauss(0.0, 1.0))
-    batch = RolloutBatch(cols, {"step": 0})
+    batch = random_rollout(SHAPE.vocab_size, NUM_SAMPLES, seed=0, max_prompt=6, max_response=10)
     batch.samples.update(trainer.logprobs(batch))
     return batch
 
