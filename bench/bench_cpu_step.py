@@ -1,10 +1,12 @@
 """One cell's training step on the CPU, alone: Megatron's forward/backward and Adam step over the default job's
 share (128 samples of the copy task, 5 prompt + 4 response tokens), at several micro-batch token budgets
 (``algo.max_tokens_per_microbatch``) and core attentions (Megatron's unfused one with the rows' T x T mask; SDPA
-per packed sequence, ``loop``, or over the sequences as one padded batch, ``auto``), beside transformers' LlamaForCausalLM on the same tokens as one padded batch
-(what TRL runs). One thread, one process, the budgets interleaved over the repeats; the median of each.
+per packed sequence, ``loop``, or over the sequences as one padded batch, ``auto``), beside transformers'
+LlamaForCausalLM on the same tokens as one padded batch (what TRL runs). One thread, one process, the variants
+interleaved over the repeats; the median of each.
 
-    .venv/bin/python bench/bench_cpu_step.py [--repeats 20] [--budgets 256 512] [--attention megatron sdpa:loop sdpa:auto]
+    .venv/bin/python bench/bench_cpu_step.py [--repeats 20] [--budgets 256 512] \
+        [--attention megatron sdpa:loop sdpa:auto]
 """
 
 from __future__ import annotations

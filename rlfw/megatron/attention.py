@@ -14,8 +14,9 @@ Packed sequences come as offsets, never as a mask: ``packed_seq_params`` carries
 (``cu_seqlens``), and each sequence runs causal attention on its own, through
 ``torch.nn.attention.varlen.varlen_attn`` (flash, variable length) on CUDA in bf16/fp16, else one causal SDPA call
 per sequence, or, where padding costs little (``padding_pays``), one causal SDPA call over the sequences
-right-padded to the longest (the CPU's short RL samples: a call costs more than its arithmetic there). Two layouts: ``PackedRow`` (``qkv_format="sbhd"``: one ``[T, 1]`` row, the layout rlfw's packing
-uses, see its docstring) and Megatron's THD (``qkv_format="thd"``: ``query`` ``[t, np, hn]``, output
+right-padded to the longest (the CPU's short RL samples: a call costs more than its arithmetic there). Two
+layouts: ``PackedRow`` (``qkv_format="sbhd"``: one ``[T, 1]`` row, the layout rlfw's packing uses, see its
+docstring) and Megatron's THD (``qkv_format="thd"``: ``query`` ``[t, np, hn]``, output
 ``[t, np * hn]``).
 
 Masks follow Megatron's unfused path exactly: a given mask is the whole truth (the mask type only matters when no
