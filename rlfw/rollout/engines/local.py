@@ -45,15 +45,20 @@ class LocalEngine(Engine):
         max_batch: int = 0,
         cuda_graphs: bool = True,
         release_cache: bool = False,
+        gpu_index: int = 0,
     ) -> None:
         """``device``: cpu, cuda, or auto (cuda when torch sees a GPU); ``decoder``: lockstep | slots | auto (slots on
         CUDA); ``max_batch``: slots of the slots decoder (0: a call's requests at once); ``release_cache``: free
-        the slots decoder's cache after each call (colocated with a trainer, which needs the memory meanwhile)."""
+        the slots decoder's cache after each call (colocated with a trainer, which needs the memory meanwhile);
+        ``gpu_index``: with ``device`` cuda, which of the GPUs this process sees (modulo their count: a colocated
+        engine sees every GPU of its node, a separate one the GPU Ray gave it)."""
         self.shape = shape
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and torch.cuda.is_available():
+            device = torch.device("cuda", gpu_index % torch.cuda.device_count())
         self.device = torch.device(device)
         on_cuda = self.device.type == "cuda"
         self.decoder = ("slots" if on_cuda else "lockstep") if decoder == "auto" else decoder
@@ -75,7 +80,8 @@ class LocalEngine(Engine):
         rollout = cfg.rollout
         return {"shape": shape, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
                 "seed": seed, "device": cfg.cluster.device, "max_batch": rollout.max_batch,
-                "cuda_graphs": rollout.cuda_graphs, "release_cache": cfg.cluster.placement == "colocated"}
+                "cuda_graphs": rollout.cuda_graphs, "release_cache": cfg.cluster.placement == "colocated",
+                "gpu_index": index}
 
     def update_weights(self, hf_state: dict[str, Tensor], version: int) -> None:
         """Load a full HF state dict (see ``rlfw.model.hf_convert.megatron_to_hf``) into the model's own tensors
