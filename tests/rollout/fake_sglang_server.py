@@ -1,8 +1,10 @@
-"""A stand-in for ``python -m sglang.launch_server`` that speaks SGLang 0.5.23's HTTP API, backed by LocalEngine.
+"""A stand-in SGLang server for what a real one cannot be made to do on demand: hold a request between decode steps.
 
-SGLang cannot run on CPU-only machines, so the SGLang engine's tests start this program instead: it takes the
-command-line flags rlfw passes to SGLang, answers the endpoints rlfw uses with SGLang's JSON shapes (see
-``rlfw.rollout.engines.sglang_client``), refuses fields SGLang would not know, and generates for real: the weights
+The SGLang engine's tests run against a real SGLang server on CPU (``test_sglang_real_server.py``); they start this
+program, which speaks SGLang 0.5.23's HTTP API backed by LocalEngine, where they need a push to land mid-generation
+at a chosen token, a router, or a launch that fails on cue (a server that exits at start or never becomes healthy).
+It takes the command-line flags rlfw passes to SGLang, answers the endpoints rlfw uses with SGLang's JSON shapes
+(see ``rlfw.rollout.engines.sglang_client``), refuses fields SGLang would not know, and generates for real: the weights
 come from the checkpoint directory on disk and the tokens and log-probs from ``LocalEngine``. A request with
 ``sampling_seed`` is sampled alone, seeded by it, as SGLang's deterministic mode does per request.
 

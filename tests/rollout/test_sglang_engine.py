@@ -1,4 +1,7 @@
-"""The SGLang engine against SGLang's HTTP API, with a stand-in server, since SGLang cannot run on these machines.
+"""The SGLang engine against a stand-in server, for what a real one cannot be made to do on demand (see below).
+
+``test_sglang_real_server.py`` runs the engine against a real SGLang server; here a stand-in holds requests between
+two decode steps (a push lands mid-generation at a chosen token), acts as a router, and fails at launch on cue.
 
 What runs for real here: rlfw's client, engine and launcher code; HTTP over loopback; server processes started by
 Ray actors with rlfw's command line and killed with real signals; HF checkpoints written to disk and loaded by the
@@ -465,9 +468,9 @@ def ray_cluster(shared_ray):
 
 
 def launch_cfg(tmp_path: Path, base_port: int, *extra: str, **overrides) -> SGLangConfig:
-    return sglang_cfg(launch_command=["{python}", FAKE_SERVER], base_port=base_port, gpus_per_engine=0,
-                      extra_args=["--fake-spawn-child", "--fake-events", str(tmp_path / "events.jsonl"), *extra],
-                      **overrides)
+    return sglang_cfg(**{"launch_command": ["{python}", FAKE_SERVER], "base_port": base_port, "gpus_per_engine": 0,
+                         "extra_args": ["--fake-spawn-child", "--fake-events", str(tmp_path / "events.jsonl"), *extra],
+                         **overrides})
 
 
 @pytest.mark.e2e
@@ -496,6 +499,14 @@ def test_server_that_exits_at_start_fails_with_its_log(ray_cluster, tmp_path):
                           tmp_path / "engine_0")
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 2 while waiting to start.*unrecognized arguments"):
         engine.update_weights(STATE_A, version=1)
+
+
+def test_gpus_asked_where_there_are_none_fail_at_once_naming_the_key(ray_cluster, tmp_path):
+    engine = SGLangEngine(launch_cfg(tmp_path, free_ports(1), gpus_per_engine=1), SHAPE, EOS, 0, 0, "127.0.0.1",
+                          tmp_path / "engine_0")
+    with pytest.raises(RuntimeError, match=r"rollout.sglang.gpus_per_engine=1 but this node has 0 GPUs"):
+        engine.update_weights(STATE_A, version=1)
+    assert engine.server_pid is None and engine.weight_version is None
 
 
 @pytest.mark.e2e

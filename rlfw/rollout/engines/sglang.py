@@ -347,6 +347,7 @@ class SGLangEngine(Engine):
         """(Re)start the launched server from the current checkpoint and wait until it is healthy."""
         if self._process is None:
             node = ray.get_runtime_context().get_node_id()
+            self._require_gpus(node)
             self._process = (
                 ray.remote(ServerProcess)
                 .options(
@@ -378,6 +379,18 @@ class SGLangEngine(Engine):
         except Exception:
             self.shutdown()  # nothing half-started stays behind
             raise
+
+    def _require_gpus(self, node: str) -> None:
+        """Fail at once, naming the key, where the server's actor could never be placed (Ray would wait for GPUs
+        this node does not have)."""
+        wanted = self.cfg.gpus_per_engine
+        has = next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == node), 0)
+        if wanted > has:
+            raise RuntimeError(
+                f"{self.name}: rollout.sglang.gpus_per_engine={wanted} but this node has {has:g} GPUs in Ray; on CPU "
+                "set rollout.sglang.gpus_per_engine=0 with a CPU build of SGLang (`make run ARGS=\"rollout=sglang\"` "
+                "sets one up), or run on a node with GPUs"
+            )
 
     def _wait_healthy(self, why: str) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
