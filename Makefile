@@ -45,7 +45,7 @@ $(SGLANG_VENV)/.installed: tests/sglang_cpu/requirements.txt
 
 # rollout=sglang on this machine's CPU: a server launched from that environment, with the CPU flags SGLang needs.
 SGLANG_CPU_ARGS = rollout.sglang.gpus_per_engine=0 \
-	rollout.sglang.launch_command=[env,SGLANG_USE_CPU_ENGINE=1,$(abspath $(SGLANG_VENV))/bin/python,-m,sglang.launch_server] \
+	"rollout.sglang.launch_command=[env,'SGLANG_USE_CPU_ENGINE=1',$(abspath $(SGLANG_VENV))/bin/python,-m,sglang.launch_server]" \
 	rollout.sglang.extra_args=[--device,cpu,--attention-backend,torch_native,--disable-cuda-graph,--skip-server-warmup,--dtype,float32,--max-total-tokens,4096,--mem-fraction-static,0.05]
 SGLANG_RUN := $(and $(findstring rollout=sglang,$(ARGS)),$(if $(findstring cuda,$(ARGS)),,1))
 
