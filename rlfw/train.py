@@ -61,7 +61,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     from rlfw.ft.faults import unfired_kills
     from rlfw.ft.goodput import GoodputMeter, run_started
     from rlfw.logging import build_loggers
-    from rlfw.loop import run_loop
+    from rlfw.loop import build_roles, run_loop
     from rlfw.rollout.manager import RolloutManager, padded_vocab_size
     from rlfw.train_group.worker import model_shape
 
@@ -127,12 +127,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         group = build_group(cfg, vocab_size, load_from=load_from)
         if cfg.algo.name == "ppo":
             critic = build_group(cfg, vocab_size, role="critic", load_from=load_from)
-        checkpointer = Checkpointer(cfg, group, run_dir, shape, run_info=lambda: {"wandb_run_id": loggers.run_id},
-                                    critic=critic, origin=resume)
+        roles = build_roles(cfg.algo, group, critic)
+        checkpointer = Checkpointer(cfg, roles, run_dir, shape, run_info=lambda: {"wandb_run_id": loggers.run_id},
+                                    origin=resume)
         if resume is not None:
             loggers.event("resumed", resume.step, checkpoint=str(resume.path), saved_layout=resume.meta["layout"])
         start_step = resume.step if resume else 0
-        metrics = run_loop(cfg, group, manager, loggers, run_dir, checkpointer, started, start_step, critic=critic,
+        metrics = run_loop(cfg, roles, manager, loggers, run_dir, checkpointer, started, start_step,
                            resumed=read_partial(resume.path) if resume else None, meter=meter)
         missed = unfired_kills(cfg.fault, cfg.run_dir)
         if missed:

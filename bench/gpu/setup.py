@@ -124,17 +124,17 @@ def fusions_off(trainer):
 def isfinite_check():
     """The finite check as it was before it took each buffer's largest magnitude: ``torch.isfinite`` on chunks of
     64M elements (a copy and three boolean masks per chunk)."""
-    from rlfw.megatron import policy
+    from rlfw.megatron import trainer
 
     def chunked(tensors, chunk=1 << 26):
         checks = [torch.isfinite(part).all() for t in tensors for part in t.reshape(-1).split(chunk)]
         return bool(torch.stack(checks).all()) if checks else True
 
-    saved, policy.all_finite = policy.all_finite, chunked
+    saved, trainer.all_finite = trainer.all_finite, chunked
     try:
         yield
     finally:
-        policy.all_finite = saved
+        trainer.all_finite = saved
 
 
 @contextlib.contextmanager

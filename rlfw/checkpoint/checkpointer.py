@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlfw.checkpoint.layout import commit, prune, staging_dir, step_dir
+from rlfw.checkpoint.layout import commit, prune, role_dir, staging_dir, step_dir
 from rlfw.checkpoint.partial import PartialStep, write_partial
 from rlfw.checkpoint.resume import ResumePoint, resolve_resume
 
@@ -16,14 +16,15 @@ class Checkpointer:
     """Saves every ``checkpoint.interval`` steps and at the end of the run, keeping ``checkpoint.keep_last``.
 
     ``run_info`` returns what the driver records in rlfw.json next to the trainer's state (the W&B run id, so a
-    resumed run logs into the same W&B run). PPO's ``critic`` group saves into ``critic/`` of the same
-    directory, so policy and critic are committed together or not at all.
+    resumed run logs into the same W&B run). Every role's group saves into the same directory (the policy at its
+    top, PPO's critic into ``critic/``), so the roles are committed together or not at all.
     """
 
-    def __init__(self, cfg, group, run_dir: Path, shape, run_info: Callable[[], dict[str, Any]] = dict,
-                 critic=None, origin: ResumePoint | None = None):
-        """``origin``: the checkpoint the job started from (None: the init weights)."""
-        self.group, self.critic, self.origin = group, critic, origin
+    def __init__(self, cfg, roles, run_dir: Path, shape, run_info: Callable[[], dict[str, Any]] = dict,
+                 origin: ResumePoint | None = None):
+        """``roles``: the run's roles (``rlfw.loop.roles``), the policy first; ``origin``: the checkpoint the job
+        started from (None: the init weights)."""
+        self.roles, self.origin = roles, origin
         self.interval = cfg.checkpoint.interval
         self.save_final = cfg.checkpoint.save_final
         self.keep_last = cfg.checkpoint.keep_last
@@ -36,12 +37,12 @@ class Checkpointer:
     def save_now(self, steps_done: int, partial: PartialStep | None = None) -> Path:
         """Save ``steps_done`` complete RL steps, and with ``partial`` the one under way (``checkpoint.partial``)."""
         staging = staging_dir(self.root, steps_done)
-        self.group.save(str(staging), steps_done)
-        if self.critic is not None:
-            self.critic.save(str(staging / "critic"), steps_done)
+        for role in self.roles:
+            role.group.save(str(role_dir(staging, role.name)), steps_done)
         if partial is not None:
             write_partial(staging, partial)
-        meta = {"step": steps_done, "model_shape": self.shape, "layout": self.layout, "critic": self.critic is not None,
+        meta = {"step": steps_done, "model_shape": self.shape, "layout": self.layout,
+                "critic": any(role.name == "critic" for role in self.roles),
                 "partial_step": partial.done if partial is not None else None, **self.run_info()}
         path = commit(staging, step_dir(self.root, steps_done), meta)
         prune(self.root, self.keep_last)

@@ -39,6 +39,12 @@ def step_dir(root: Path, steps_done: int) -> Path:
     return Path(root) / f"step_{steps_done}"
 
 
+def role_dir(checkpoint: str | Path, role: str) -> Path:
+    """Where a role's trainer state lies in a checkpoint: the policy's (``actor``) at its top, another role's in
+    the subdirectory named after it (PPO's ``critic/``)."""
+    return Path(checkpoint) if role == "actor" else Path(checkpoint) / role
+
+
 def staging_dir(root: Path, steps_done: int) -> Path:
     return Path(root) / f"step_{steps_done}.tmp"
 

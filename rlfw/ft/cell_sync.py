@@ -19,9 +19,10 @@ from torch.distributed import ReduceOp
 
 from rlfw.ft.agreement import DisagreementError, verify_agreement
 from rlfw.ft.errors import FencedError, StateLostError
-from rlfw.ft.manager import make_manager, manager_replica_id
+from rlfw.ft.manager import make_manager
 from rlfw.ft.membership import MembershipView
 from rlfw.ft.protocol import SyncHost
+from rlfw.ft.torchft_api import manager_replica_id, quorum_epoch
 
 _OPS = {"min": ReduceOp.MIN, "max": ReduceOp.MAX}
 
@@ -54,17 +55,13 @@ class CellSync:
             heal_timeout_s=heal_deadline_s(heal_state_bytes(worker.trainer.model.module), cfg.ft),
             shared_device=cfg.cluster.gpus_per_worker < 1, host_transport=cfg.ft.host_transport,
         )
+        self.replica_id = manager_replica_id(worker.store)  # ``cell_<id>:<uuid>``, new for every incarnation
         self.membership = MembershipView(membership_address)
         self.heal_time = None
         self.healed = False
         self.call = 0  # the driver's id of the train call under way: its membership is what begin_step waits for
         self.call_deadline_s = 0.0  # how long the driver gives the call; a cell waits for its peers at most that
         self.joins = 0  # quorum requests so far; the n-th join decision of rank 0 is key rlfw/join/<n> of the cell
-
-    @property
-    def replica_id(self) -> str:
-        """The Lighthouse's name for this cell's Manager (``cell_<id>:<uuid>``, new for every incarnation)."""
-        return manager_replica_id(self.worker.store)
 
     def expect(self, call: Dict[str, Any]) -> None:
         self.call, self.call_deadline_s = call["id"], call.get("deadline_s", 0.0)
@@ -166,7 +163,7 @@ class CellSync:
 
     @property
     def quorum_id(self) -> int:
-        return int(self.manager._quorum_id)  # torchft exposes the membership epoch only privately
+        return quorum_epoch(self.manager)
 
     # ------------------------------------------------------------------------------------------- heal state
     def _state_dict(self) -> Dict[str, Any]:

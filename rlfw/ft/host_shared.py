@@ -43,8 +43,8 @@ from typing import Dict, List, Optional, Tuple
 import psutil
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp
-from torchft import ProcessGroupGloo
-from torchft.process_group import create_store_client
+
+from rlfw.ft.torchft_api import ReconfigurableGloo, create_store_client
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class _Segment:
             pass
 
 
-class ProcessGroupHostShared(ProcessGroupGloo):
+class ProcessGroupHostShared(ReconfigurableGloo):
     """torchft's reconfigurable Gloo group whose all-reduce goes through shared memory when every member of the
     quorum is on this host (module docstring); the other collectives are Gloo's."""
 
@@ -188,11 +188,10 @@ class ProcessGroupHostShared(ProcessGroupGloo):
         return "rlfw-host-shared"
 
     # --------------------------------------------------------------------------------------------- set-up
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id=None,
-                  group_rank=None, group_world_size=None, global_ranks=None) -> None:
+    def _before_configure(self) -> None:
         self._close_segments()
-        super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
-                          global_ranks)
+
+    def _configured(self, store_addr: str, rank: int, world_size: int) -> None:
         self._rank, self._size, self._seq, self._said = rank, world_size, 0, set()
         self._tag = hashlib.sha1(store_addr.encode()).hexdigest()[:12]  # unique per job, quorum and group rank
         self._store = create_store_client(f"{store_addr}/rlfw_shm", timeout=self._timeout)

@@ -3,17 +3,11 @@ hears every cell's heartbeat."""
 
 from __future__ import annotations
 
-import re
 import urllib.request
 from typing import Dict
 
-from torchft.coordination import LighthouseServer
-
-from rlfw.cluster.address import host_port
-
-# One line per replica on the Lighthouse's /status page (torchft 0.2.0's templates/status.html), e.g.
-# ``cell_1:4f0c...: seen 0.0123s ago``. torchft has no other way to read the heartbeats; tests/ft pins the format.
-_HEARTBEAT = re.compile(r"^\s*(\S+): seen ([0-9.eE+-]+)s ago\s*$", re.MULTILINE)
+from rlfw.cluster.address import host_port, node_address
+from rlfw.ft.torchft_api import LighthouseServer, parse_heartbeats
 
 
 class Lighthouse:
@@ -40,4 +34,16 @@ def heartbeat_ages(address: str, timeout_s: float = 2.0) -> Dict[str, float]:
     compute still beats; a stopped, partitioned or vanished one does not. Raises OSError if it cannot be read."""
     with urllib.request.urlopen(f"{address}/status", timeout=timeout_s) as response:
         page = response.read().decode()
-    return {replica: float(age) for replica, age in _HEARTBEAT.findall(page)}
+    return parse_heartbeats(page)
+
+
+def start_lighthouse(cfg, role: str):
+    """(the Lighthouse this group started or None, the address its cells join). The policy's is the external
+    ``ft.lighthouse_address`` or one on ``ft.lighthouse_port``; the critic's quorums are its own, so it always gets
+    a Lighthouse of its own, on a free port (never the policy's port, which is taken)."""
+    ft = cfg.ft
+    if role == "actor" and ft.lighthouse_address:
+        return None, ft.lighthouse_address
+    port = ft.lighthouse_port if role == "actor" else 0
+    lighthouse = Lighthouse(node_address(cfg.cluster), port, ft.min_cells, ft.join_timeout_s, ft.heartbeat_timeout_s)
+    return lighthouse, lighthouse.address

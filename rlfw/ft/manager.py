@@ -1,39 +1,20 @@
 """A torchft Manager per trainer rank, kept on the configured interface.
 
-torchft's Manager hard-codes its ManagerServer bind to ``[::]:port`` (all interfaces). rlfw passes the host it was
-configured with instead, by handing torchft a ManagerServer factory that rewrites the bind string. Heals use the
+torchft's Manager hard-codes its ManagerServer bind to ``[::]:port`` (all interfaces); rlfw binds the host it was
+configured with instead (``rlfw.ft.torchft_api.manager_server_bound_to``). Heals use the
 process-group transport (state sent over the cells' own Gloo/NCCL group), not torchft's HTTP server, which would
 also bind all interfaces.
 """
 
 from __future__ import annotations
 
-import contextlib
 from datetime import timedelta
 from typing import Callable
 
 import torch
-import torchft.manager as tft_manager
-from torchft import Manager, ProcessGroupGloo
-from torchft.checkpointing.pg_transport import PGTransport
-from torchft.process_group import ProcessGroupNCCL
 
 from rlfw.ft.host_shared import ProcessGroupHostShared
-
-
-@contextlib.contextmanager
-def _manager_server_bound_to(host: str):
-    original = tft_manager.ManagerServer
-
-    def factory(*args, bind: str, **kwargs):
-        port = bind.rsplit(":", 1)[1]
-        return original(*args, bind=f"{'[' + host + ']' if ':' in host else host}:{port}", **kwargs)
-
-    tft_manager.ManagerServer = factory
-    try:
-        yield
-    finally:
-        tft_manager.ManagerServer = original
+from rlfw.ft.torchft_api import Manager, PGTransport, ProcessGroupGloo, ProcessGroupNCCL, manager_server_bound_to
 
 
 def make_manager(
@@ -70,7 +51,7 @@ def make_manager(
     else:
         pg = ProcessGroupGloo(timeout=timeout)
     transport = PGTransport(pg, timeout=timeout, device=torch.device("cpu") if gloo else device)
-    with _manager_server_bound_to(host):
+    with manager_server_bound_to(host):
         return Manager(
             pg=pg,
             load_state_dict=load_state_dict,
@@ -91,10 +72,3 @@ def make_manager(
             init_sync=False,  # every cell initialises identical weights from model.init_seed
             max_retries=20,
         )
-
-
-def manager_replica_id(store) -> str:
-    """The replica id this cell's Manager registered with the Lighthouse (``cell_<id>:<uuid>``). torchft 0.2.0 has
-    no accessor: rank 0's Manager publishes it in the cell's store under ``torchft.manager.REPLICA_ID_KEY``, the
-    key every other rank reads it from (tests/ft pins it)."""
-    return store.get(tft_manager.REPLICA_ID_KEY).decode()

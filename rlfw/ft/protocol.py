@@ -20,9 +20,7 @@ if TYPE_CHECKING:
 
 
 class GradSync(Protocol):
-    @property
-    def replica_id(self) -> Optional[str]:
-        """The Lighthouse's name for this replica's group, whose heartbeat the driver watches (None: no Lighthouse)."""
+    replica_id: Optional[str]  # the Lighthouse's name for this replica's group, whose heartbeat the driver watches
 
     def expect(self, call: Dict[str, Any]) -> None:
         """The driver's train call under way (``id``, ``replicas`` it was sent to, ``deadline_s``): begin_step waits

@@ -7,9 +7,9 @@ plain replicated module: every TP rank computes the same values and, since the b
 identity, the same head gradients; nothing needs a TP collective of its own. Megatron's grad-norm counts
 parameters without ``tensor_model_parallel`` once, so clipping is not skewed by the replication.
 
-``ValueTrainer`` mirrors ``PolicyTrainer``'s interface (``zero_grad``, ``forward_backward``, ``grad_buffers``,
-``optimizer_step``, ``named_weights``, ``model``/``optimizer``), so the classic and cell gradient syncs, heals and
-weight digests work for it unchanged.
+``ValueTrainer`` is a ``MegatronTrainer`` like the policy's (``rlfw.megatron.trainer``: set-up, micro-batches,
+optimizer step), so the classic and cell gradient syncs, heals and weight digests work for it unchanged; it adds
+only the value model, its values for the pre-update pass and the value loss.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import math
 import torch
 
 from rlfw.data.batch import RolloutBatch
-from rlfw.megatron.model import build_gpt, takes_sequence_offsets, transformer_config
+from rlfw.megatron.model import build_gpt
+from rlfw.megatron.packing import MicroBatch, microbatches
+from rlfw.megatron.trainer import MegatronTrainer, row_output
 from rlfw.model.shape import ModelShape
-from rlfw.megatron.packing import build_rows, microbatches, pack_by_token_budget
-from rlfw.megatron.policy import PolicyTrainer, megatron_adam, row_output
 
 
 def value_loss(
@@ -98,7 +98,7 @@ class ValueModel(torch.nn.Module):
             self.final_norm.weight.copy_(state[norm])
 
 
-class ValueTrainer:
+class ValueTrainer(MegatronTrainer):
     """Requires torch.distributed and Megatron's parallel_state to be initialised for this rank's world.
 
     ``critic``: the ``algo.critic`` config (lr, value_clip); the Adam betas, weight decay, gradient clipping, loss
@@ -109,27 +109,15 @@ class ValueTrainer:
         self, shape: ModelShape, algo, critic, tp: int, device: torch.device, init_seed: int, bf16: bool = False,
         core_attention: str = "auto", recompute: str = "none", recompute_modules=("mlp",),
     ):
-        from megatron.core import tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-        self.shape, self.algo, self.critic, self.device = shape, algo, critic, device
-        self.bf16 = bf16 and device.type == "cuda"
-        self.config = transformer_config(shape, tp=tp, bf16=self.bf16, recompute=recompute,
-                                         recompute_modules=recompute_modules, device=device)
+        self.critic = critic
         # With init_from_policy the trunk draws the policy's random initial weights (same seed, same draw order);
         # otherwise a seed of its own. Either way every rank and cell builds identical weights.
         seed = init_seed if critic.init_from_policy else init_seed + 1
-        torch.manual_seed(seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=device.type == "cpu")
-        module = ValueModel(shape, self.config, core_attention).to(device)
-        self.dense_mask = not takes_sequence_offsets(module)
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
-        )
-        self.model = DistributedDataParallel(self.config, ddp_config, module)
-        self.optimizer = megatron_adam(self.model, device, self.bf16, lr=critic.lr, weight_decay=algo.weight_decay,
-                                       adam_beta1=algo.adam_beta1, adam_beta2=algo.adam_beta2,
-                                       clip_grad=algo.grad_clip)
+        super().__init__(shape, algo, tp, device, seed, critic.lr, bf16, core_attention, recompute,
+                         recompute_modules)
+
+    def build_module(self, core_attention: str) -> torch.nn.Module:
+        return ValueModel(self.shape, self.config, core_attention).to(self.device)
 
     def load_hf_policy(self, path: str) -> None:
         """Initialise the trunk and final norm from the HF checkpoint the policy starts from."""
@@ -160,50 +148,6 @@ class ValueTrainer:
         return {"old_values": out}
 
     # ------------------------------------------------------------------------------------------------ training
-    # Gradient buffers, zeroing and the (NaN-skipping) optimizer step only touch ``model`` and ``optimizer``: the
-    # policy's own methods, so both trainers behave the same under the gradient syncs.
-    zero_grad = PolicyTrainer.zero_grad
-    grad_buffers = PolicyTrainer.grad_buffers
-    optimizer_step = PolicyTrainer.optimizer_step
-    named_weights = PolicyTrainer.named_weights
-
-    def forward_backward(self, part: RolloutBatch, on_microbatch=None) -> dict[str, float]:
-        """Accumulate this rank's share of the value loss gradient (columns ``old_values`` and ``returns``);
-        returns weighted sums of the loss terms."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        sums: dict[str, float] = {}
-        if len(part) == 0:
-            return sums
-        lengths = [len(t) for t in part.samples["tokens"]]
-        bins = pack_by_token_budget(lengths, self.algo.max_tokens_per_microbatch)
-        rows = (mb.to(self.device, non_blocking=True)
-                for mb in build_rows(part, bins, self.algo.loss_agg, self.dense_mask))
-        counter = iter(range(len(bins)))
-        value_clip = self.critic.value_clip
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            if on_microbatch is not None:
-                on_microbatch(next(counter))
-            values = row_output(model, mb)
-
-            def loss_func(output):
-                loss, stats = value_loss(output, mb.old_values, mb.returns, mb.loss_weight, value_clip)
-                stats["loss"] = loss.detach()
-                return loss, torch.tensor(1, dtype=torch.int), stats
-
-            return values, loss_func
-
-        results = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=rows, model=[self.model], num_microbatches=len(bins),
-            seq_length=max(sum(lengths[i] for i in b) for b in bins), micro_batch_size=1, forward_only=False,
-        )
-        for stats in results:
-            for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-        if sums["nonfinite_loss"]:  # every replica then skips the step (see rlfw.algo.nonfinite)
-            for grad in self.grad_buffers():
-                grad.fill_(float("nan"))
-        return sums
-
+    def loss(self, output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The clipped value loss towards ``returns`` (columns ``old_values`` and ``returns``)."""
+        return value_loss(output, mb.old_values, mb.returns, mb.loss_weight, self.critic.value_clip)

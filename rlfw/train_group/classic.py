@@ -22,15 +22,13 @@ from rlfw.train_group.world import World, get_all
 class ClassicSync:
     """Megatron DDP's SUM all-reduce of the grad buffers (calculate_per_token_loss: no averaging)."""
 
+    replica_id = None  # no Lighthouse: a failed rank fails the world
+
     def __init__(self, worker):
         from megatron.core import parallel_state
 
         self.worker = worker
         self.ps = parallel_state
-
-    @property
-    def replica_id(self) -> None:
-        return None  # no Lighthouse: a failed rank fails the world
 
     def begin_step(self):
         return self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
@@ -94,14 +92,20 @@ def ends_on_death(call):
 
 
 class ClassicGroup:
+    """rlfw.train_group.group.TrainGroup over one world of ``dp.size`` replicas: every replica holds the state."""
+
     def __init__(self, cfg, vocab_size: int, role: str = "actor", load_from: Optional[str] = None):
-        self.cfg = cfg
+        self.cfg, self.vocab_size, self.role = cfg, vocab_size, role
         self.num_replicas = cfg.dp.size
         self.metric_prefix = "dp" if role == "actor" else "critic_dp"
-        self.world = World(cfg, cfg.dp.size * cfg.dp.tp, vocab_size, cell=None, sync_factory=ClassicSync, role=role,
-                           load_from=load_from)
-        self.world.start()
+        self.world = self._start(load_from)
         self.deadlines = PhaseDeadlines(cfg.ft)
+
+    def _start(self, load_from: Optional[str]) -> World:
+        world = World(self.cfg, self.cfg.dp.size * self.cfg.dp.tp, self.vocab_size, cell=None,
+                      sync_factory=ClassicSync, role=self.role, load_from=load_from)
+        world.start()
+        return world
 
     def _timed(self, phase: str, call):
         """``call(deadline_s)``, its duration recorded for the next call of ``phase``. A classic deadline ends the
@@ -112,11 +116,17 @@ class ClassicGroup:
         self.deadlines.record(phase, time.monotonic() - started)
         return result
 
-    def replica_count(self) -> int:
-        return self.num_replicas
-
     def replica_ids(self) -> List[int]:
         return list(range(self.num_replicas))
+
+    def state_holder_ids(self) -> List[int]:
+        return self.replica_ids()
+
+    def restore(self, load_from: Optional[str]) -> None:
+        """A new world from the checkpoint ``load_from``, as a restarted job would start it."""
+        self.world.shutdown()
+        self.world = self._start(load_from)
+        self.deadlines.reset()
 
     @ends_on_death
     def await_replacements(self) -> None:
@@ -150,9 +160,15 @@ class ClassicGroup:
                                                       deadline_s))
 
     @ends_on_death
-    def weights_digests(self) -> List[str]:
-        return self._timed("verify", lambda deadline_s: self.world.call_leaders("weights_digest",
-                                                                                timeout_s=deadline_s))
+    def minibatches_committed(self, step: int) -> int:
+        cursor = self._timed("committed", lambda deadline_s: get_all([self.world.workers[0].committed.remote()],
+                                                                     deadline_s))[0]
+        return cursor["minibatch_index"] + 1 if cursor["rl_step"] == step else 0
+
+    @ends_on_death
+    def weights_digests(self) -> Dict[int, str]:
+        return dict(enumerate(self._timed("verify", lambda deadline_s: self.world.call_leaders(
+            "weights_digest", timeout_s=deadline_s))))
 
     def step_info(self) -> Dict[str, float]:
         return {}

@@ -5,13 +5,13 @@ limit); past that budget the run goes on with its survivors (the below-minimum r
 fails again before its replacement committed a step (a cell that dies at start-up, a node that kills whatever lands
 on it) waits ``ft.replacement_backoff_s`` doubled per failure, up to a minute, instead of being restarted in a tight
 loop. The budget counts replacements that were started; a placement still waiting for room is not a failure and
-costs nothing.
+costs nothing. A replacement that is due (``due``) is started by the group; until it is, it is ``waiting``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 MAX_BACKOFF_S = 60.0
 
@@ -23,6 +23,7 @@ class ReplacementPolicy:
         self.clock = clock
         self.started = 0  # replacements started over the run
         self._streak: Dict[int, int] = {}  # per cell id: failures since its last committed step
+        self._scheduled: Dict[int, Tuple[float, int]] = {}  # cell id -> (start not before, incarnation)
 
     def budget_left(self) -> bool:
         return self.replace_failed and (self.max_replacements < 0 or self.started < self.max_replacements)
@@ -44,3 +45,27 @@ class ReplacementPolicy:
     def on_committed(self, cell_id: int) -> None:
         """The cell committed a step: a later failure of it starts a new streak (no backoff)."""
         self._streak.pop(cell_id, None)
+
+    def schedule(self, cell_id: int, incarnation: int) -> bool:
+        """Cell ``cell_id`` failed: schedule incarnation ``incarnation`` of it, unless none will come (False)."""
+        not_before = self.on_failure(cell_id)
+        if not_before is not None:
+            self._scheduled[cell_id] = (not_before, incarnation)
+        return not_before is not None
+
+    def due(self) -> List[Tuple[int, int]]:
+        """(cell id, incarnation) of the scheduled replacements whose backoff is over; they are no longer waiting."""
+        now = self.clock()
+        ready = [(cell_id, incarnation) for cell_id, (not_before, incarnation) in self._scheduled.items()
+                 if now >= not_before]
+        for cell_id, _ in ready:
+            del self._scheduled[cell_id]
+        return ready
+
+    def waiting(self) -> bool:
+        """Whether a scheduled replacement has not been started yet."""
+        return bool(self._scheduled)
+
+    def clear(self) -> None:
+        """Forget the scheduled replacements (every cell starts afresh from a checkpoint)."""
+        self._scheduled.clear()

@@ -19,8 +19,9 @@ from omegaconf import OmegaConf
 
 from rlfw.cluster.address import node_address, pin_gloo_interface
 from rlfw.cluster.store import connect_store, serve_store
-from rlfw.data.batch import RolloutBatch, split_batch
+from rlfw.data.batch import RolloutBatch
 from rlfw.model.shape import ModelShape
+from rlfw.train_group.minibatches import train_minibatches
 
 
 def model_shape(cfg, vocab_size: int) -> ModelShape:
@@ -124,10 +125,10 @@ class TrainerWorker:
             self._setup_policy(device)
         self.sync = sync_factory(self)
         if self.load_from is not None:
+            from rlfw.checkpoint.layout import role_dir
             from rlfw.checkpoint.state import load_state
 
-            path = self.load_from if self.role == "actor" else f"{self.load_from}/critic"
-            self.cursor.update(load_state(path, self.trainer)["cursor"])
+            self.cursor.update(load_state(str(role_dir(self.load_from, self.role)), self.trainer)["cursor"])
             self.sync.restore(self.cursor["optimizer_steps"])
         if self.cfg.cluster.placement == "colocated":
             from rlfw.megatron.offload import trainer_offload
@@ -172,27 +173,17 @@ class TrainerWorker:
         return self.trainer.values(part) if self.role == "critic" else self.trainer.logprobs(part)
 
     def train(self, minibatches, call: Dict[str, Any]) -> List[Dict[str, Any]]:
-        """One optimizer step per minibatch not committed yet (rlfw.ft.protocol.train_call). ``minibatches`` is a
-        list of whole minibatches (delayed split) or of EagerParts (eager split); ``call`` the driver's call."""
-        from rlfw.ft.protocol import train_call
-
-        self.sync.expect(call)
-
-        def train_part(part):
-            self.trainer.zero_grad()
-            return forward_backward(self.trainer, part, self.faults, part.meta["step"])
-
+        """One optimizer step per minibatch not committed yet (``rlfw.train_group.minibatches``). ``minibatches``
+        is a list of whole minibatches (delayed split) or of EagerParts (eager split); ``call`` the driver's call."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.offload is None:
-            return self._with_peak(train_call(self.sync, self, minibatches, lambda mb: mb.meta, self._take_part,
-                                              train_part, self.trainer.optimizer_step))
+            return self._with_peak(train_minibatches(self.sync, self, minibatches, call, self.cfg.split))
         # colocated: the state comes back for the call and leaves after it, while the engine generates
         released = self.offload.last
         self.offload.restore()
         try:
-            records = train_call(self.sync, self, minibatches, lambda mb: mb.meta, self._take_part, train_part,
-                                 self.trainer.optimizer_step)
+            records = train_minibatches(self.sync, self, minibatches, call, self.cfg.split)
         finally:
             self.offload.release()
         for record in records[:1]:  # the handover's cost: the previous release and this call's restore
@@ -207,18 +198,6 @@ class TrainerWorker:
             for record in records[:1]:
                 record["gpu/train_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return records
-
-    def _take_part(self, minibatch, replica: int, num_replicas: int):
-        """This replica's share, and the sample ids of every participant's share (the split is deterministic, so
-        all participants agree on it; a survivor can vouch for a peer that died after a committed step)."""
-        if isinstance(minibatch, RolloutBatch):  # delayed: split now, over this step's participants
-            whole = minibatch
-        elif len(minibatch.refs) == num_replicas:  # eager, as planned: fetch only this replica's object ref
-            return ray.get(minibatch.refs[replica]), minibatch.sample_ids
-        else:  # eager, but the participant set changed since the split was planned: re-split the union
-            whole = merge(ray.get(list(minibatch.refs)))
-        parts = split_batch(whole, num_replicas, self.cfg.split.how, self.cfg.split.attention_weight)
-        return parts[replica], [list(p.sample_ids) for p in parts]
 
     @ray.method(num_returns=2)
     def export_weights(self) -> Tuple[Dict[str, torch.Tensor], bool]:
@@ -269,28 +248,3 @@ class TrainerWorker:
             self.sync.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def forward_backward(trainer, part, faults, step: int) -> Dict[str, float]:
-    """The trainer's forward/backward with the ``mid_forward_backward`` fault point after the first micro-batch's
-    backward: before the second micro-batch, or at the end when there is only one (or an empty share), so the
-    phase is reachable in every configuration."""
-    reached = False
-
-    def between_microbatches(index: int) -> None:
-        nonlocal reached
-        if index == 1:
-            reached = True
-            faults.maybe_fault("mid_forward_backward", step)
-
-    sums = trainer.forward_backward(part, on_microbatch=between_microbatches)
-    if not reached:
-        faults.maybe_fault("mid_forward_backward", step)
-    return sums
-
-
-def merge(parts: List[RolloutBatch]) -> RolloutBatch:
-    """The inverse of a split, in sample-id order: per-sample columns joined, per-batch keys from the first part."""
-    columns = {k: [v for p in parts for v in p.samples[k]] for k in parts[0].samples}
-    whole = RolloutBatch(columns, dict(parts[0].meta))
-    return whole.select(sorted(range(len(whole)), key=lambda i: whole.sample_ids[i]))

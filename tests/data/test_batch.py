@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlfw.data.batch import DYNAMIC_GBS, RolloutBatch, split_batch
-from rlfw.loop import check_exactly_once, trained_sample_ids
+from rlfw.loop.ledger import check_exactly_once, trained_sample_ids
 
 torch.set_num_threads(1)
 

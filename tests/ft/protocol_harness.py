@@ -5,8 +5,9 @@ fault kills or stops the process (a real SIGKILL or SIGSTOP from rlfw.ft.faults)
 Lighthouse and the Membership store and plays the driver: it sends each cell ``(op, *args)`` over a Pipe (no lock a
 killed writer could leave held), reads the replies under a deadline, and takes a cell out of the call (fence +
 leave) when its process dies or, with ``watch_heartbeats``, when the Lighthouse has not heard it for
-``stall_timeout_s`` -- the driver's rules, without Ray. ``Cell.train`` runs the worker's own loop
-(rlfw.ft.protocol.train_call) with a model-free trainer, recording every attempt through a wrapping sync.
+``stall_timeout_s`` -- the driver's own rules (``rlfw.train_group.detector``), without Ray. ``Cell.train`` runs the
+worker's own minibatch loop (``rlfw.train_group.minibatches.train_minibatches``, every fault point included) with a
+model-free trainer, recording every attempt through a wrapping sync.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ import torch
 from omegaconf import OmegaConf
 
 from rlfw.cluster.store import serve_store
-from rlfw.config.schema import ClusterConfig, FaultConfig, FTConfig
+from rlfw.config.schema import ClusterConfig, FaultConfig, FTConfig, SplitConfig
 from rlfw.data.batch import DYNAMIC_GBS, RolloutBatch, split_batch
 from rlfw.ft.cell_sync import CellSync
 from rlfw.ft.faults import FaultInjector
 from rlfw.ft.lighthouse import Lighthouse, heartbeat_ages
 from rlfw.ft.membership import Membership
-from rlfw.ft.protocol import train_call
+from rlfw.train_group.detector import FailureDetector
+from rlfw.train_group.minibatches import train_minibatches
 
 HOST = "127.0.0.1"
 # heartbeat 2 s: a cell starved of CPU on a loaded 2-core machine must not look dead; collectives 4 s: a peer that
@@ -41,7 +43,9 @@ HOST = "127.0.0.1"
 FT = dict(min_cells=1, heartbeat_timeout_s=2.0, join_timeout_s=0.5, quorum_timeout_s=30.0, collective_timeout_s=4.0,
           stall_timeout_s=4.0, min_phase_timeout_s=30.0)
 SAMPLES_PER_STEP = 8
+MICROBATCH = 2  # samples per micro-batch of TinyTrainer: a cell's share of 4 samples runs as two
 READY_TIMEOUT_S = 120.0  # spawn + torch/torchft import of several processes at once on 2 loaded cores
+STRIDED = OmegaConf.structured(SplitConfig(name="delayed"))  # split at train time, strided: what a cell does
 STEP_TIMEOUT_S = 60.0  # a step with a death: heartbeat expiry, a collective timeout, the join wait, the retry
 
 
@@ -91,12 +95,19 @@ class TinyTrainer:
     def zero_grad(self) -> None:
         self._grads.zero_()  # in place: optimizer.zero_grad() would set .grad to None and break the views
 
-    def forward_backward(self, part: RolloutBatch) -> None:
+    def forward_backward(self, part: RolloutBatch, on_microbatch=None) -> Dict[str, float]:
         """Squared error summed over this share, over the whole minibatch's sample count: the cells' SUM of
-        gradients is then the gradient of the minibatch's mean loss, whatever the split."""
+        gradients is then the gradient of the minibatch's mean loss, whatever the split. Micro-batches of
+        ``MICROBATCH`` samples, ``on_microbatch(i)`` before each (as Megatron's schedule runs a trainer's)."""
         x, y = torch.tensor(part.samples["x"]), torch.tensor(part.samples["y"])
-        loss = ((self.model.module(x).squeeze(-1) - y) ** 2).sum() / part.meta[DYNAMIC_GBS]["num_samples"]
-        loss.backward()
+        total = part.meta[DYNAMIC_GBS]["num_samples"]
+        for i, start in enumerate(range(0, len(part), MICROBATCH)):
+            if on_microbatch is not None:
+                on_microbatch(i)
+            rows = slice(start, start + MICROBATCH)
+            loss = ((self.model.module(x[rows]).squeeze(-1) - y[rows]) ** 2).sum() / total
+            loss.backward()
+        return {}
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
@@ -202,19 +213,7 @@ class Cell:
         quorum, rank, the state right after begin_step, the minibatch and sample ids it trained, the vote; a
         committed one also the reduced gradient. Returns the attempts, the committed records and the final state."""
         sync = RecordingSync(self.sync, self)
-        self.sync.expect(call)
-
-        def train_part(part):
-            self.trainer.zero_grad()
-            self.trainer.forward_backward(part)
-            return {}
-
-        def take_part(mb, rank, count):
-            parts = split_batch(mb, count, "strided")
-            return parts[rank], [list(p.sample_ids) for p in parts]
-
-        records = train_call(sync, self, minibatches(step, per_step, self.samples_per_step), lambda mb: mb.meta, take_part, train_part,
-                             self.trainer.optimizer_step)
+        records = train_minibatches(sync, self, minibatches(step, per_step, self.samples_per_step), call, STRIDED)
         return {"attempts": sync.attempts, "records": records, "after": snapshot(self.trainer, self.cursor),
                 "joins": self.sync.joins}
 
@@ -233,6 +232,9 @@ class RecordingSync:
 
     def __init__(self, sync: CellSync, cell: Cell):
         self.sync, self.cell, self.attempts = sync, cell, []
+
+    def expect(self, call):
+        self.sync.expect(call)
 
     def begin_step(self):
         t0 = time.perf_counter()
@@ -386,8 +388,10 @@ class TrainCall:
         proc.conn.send(("train", self.step, self.per_step, {"id": self.id, "replicas": len(self.cells)}))
 
     def collect(self, timeout_s: float = STEP_TIMEOUT_S) -> List[Optional[Dict[str, Any]]]:
-        """Each cell's reply; None for one that died or was taken out as stalled (its process then lives on)."""
+        """Each cell's reply; None for one that died or was taken out as stalled (its process then lives on) under
+        the driver's own failure rules (``FailureDetector``; past ``timeout_s`` the test fails instead)."""
         deadline = time.monotonic() + timeout_s
+        detector = FailureDetector("train", timeout_s, OmegaConf.structured(FTConfig(**self.cluster.ft)))
         replies: Dict[int, Optional[Dict[str, Any]]] = {}
         while len(replies) < len(self.cells):
             if time.monotonic() > deadline:
@@ -403,9 +407,8 @@ class TrainCall:
                     replies[i] = None
                     self.cluster.take_out(proc, self.id)
             if self.cluster.watch_heartbeats:
-                ages = heartbeat_ages(self.cluster.lighthouse.address)
-                for i, proc in enumerate(self.cells):
-                    if i not in replies and ages.get(proc.probe["replica_id"], 0.0) > self.cluster.ft["stall_timeout_s"]:
-                        replies[i] = None
-                        self.cluster.take_out(proc, self.id)
+                pending = {i: proc.probe["replica_id"] for i, proc in enumerate(self.cells) if i not in replies}
+                for i in detector.stalled(pending, heartbeat_ages(self.cluster.lighthouse.address)):
+                    replies[i] = None
+                    self.cluster.take_out(self.cells[i], self.id)
         return [replies[i] for i in range(len(self.cells))]

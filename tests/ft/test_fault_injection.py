@@ -32,7 +32,7 @@ class MicrobatchTrainer:
 
 def train_one_share(run_dir: str, microbatches: int) -> None:
     from rlfw.ft.faults import FaultInjector
-    from rlfw.train_group.worker import forward_backward
+    from rlfw.train_group.minibatches import forward_backward
 
     faults = FaultInjector(fault_cfg(kind="kill_once", cell=1, step=1, phase="mid_forward_backward"), run_dir,
                            cell=1, rank=0, incarnation=0)

@@ -14,7 +14,7 @@ def free_port() -> int:
 
 
 def test_a_fixed_lighthouse_port_is_the_policys_and_the_critic_gets_another():
-    from rlfw.train_group.cells import start_lighthouse
+    from rlfw.ft.lighthouse import start_lighthouse
 
     cfg = OmegaConf.structured(RLConfig)
     cfg.ft.lighthouse_port = free_port()
@@ -31,7 +31,7 @@ def test_a_fixed_lighthouse_port_is_the_policys_and_the_critic_gets_another():
 
 
 def test_an_external_lighthouse_serves_the_policy_only():
-    from rlfw.train_group.cells import start_lighthouse
+    from rlfw.ft.lighthouse import start_lighthouse
 
     cfg = OmegaConf.structured(RLConfig)
     cfg.ft.lighthouse_address = "http://127.0.0.1:1"

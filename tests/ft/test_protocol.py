@@ -2,7 +2,7 @@
 Megatron: what a user relies on when a cell trains, dies, or is replaced.
 
 Each scenario runs once per module (a fixture) and several tests read what it recorded, so the file spawns nine
-cell processes in all. The harness (protocol_harness.py) says how a cell is built and driven.
+cell processes in all (and three more for the forward/backward deaths). The harness (protocol_harness.py) says how a cell is built and driven.
 """
 
 from __future__ import annotations
@@ -96,6 +96,19 @@ def heal_deaths(tmp_path_factory):
                                run_dir=run_dir)
 
 
+@pytest.fixture(scope="module")
+def forward_deaths(tmp_path_factory):
+    """Three cells. Step 0: cell 2 is SIGKILLed before its forward pass; step 1: cell 1 between its two
+    micro-batches (mid_forward_backward, the worker's own fault point). Each step is retried by the survivors."""
+    run_dir = tmp_path_factory.mktemp("forward_deaths")
+    fault = dict(kind="kill_once", cell=2, step=0, phase="before_forward",
+                 extra_kills=[dict(cell=1, step=1, phase="mid_forward_backward")])
+    with Cluster(run_dir, fault) as cluster:
+        cells = cluster.spawn(0, 1, 2)
+        steps = [cluster.train(cells, 0), cluster.train(cells[:2], 1)]
+        return SimpleNamespace(steps=steps, exitcodes=[p.exitcode for p in cells], run_dir=run_dir)
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 def test_grad_sync_is_what_the_worker_calls_and_both_syncs_implement_it():
     """The worker (and train_call, its step loop) depend on GradSync only, and ClassicSync and CellSync provide all
@@ -113,13 +126,22 @@ def test_grad_sync_is_what_the_worker_calls_and_both_syncs_implement_it():
             and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"
             or receiver == "sync" and isinstance(n.value, ast.Name) and n.value.id == "sync")}
 
-    called = called_on(RLFW / "train_group" / "worker.py", "self") | called_on(RLFW / "ft" / "protocol.py", "sync")
-    protocol = {name: len(inspect.signature(getattr(fn, "fget", fn)).parameters) for name, fn in vars(GradSync).items()
-                if (inspect.isfunction(fn) or isinstance(fn, property)) and not name.startswith("_")}
-    assert called == set(protocol)
+    def attributes(path, name):
+        """Names a class binds: at its top (``name = ...``) or on ``self`` in a method."""
+        [cls] = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == name]
+        return {t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)} | {
+            t.attr for n in ast.walk(cls) if isinstance(n, ast.Assign) for t in n.targets
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+    called = (called_on(RLFW / "train_group" / "worker.py", "self") | called_on(RLFW / "ft" / "protocol.py", "sync")
+              | called_on(RLFW / "train_group" / "minibatches.py", "sync"))
+    protocol = {name: len(inspect.signature(fn).parameters) for name, fn in vars(GradSync).items()
+                if inspect.isfunction(fn) and not name.startswith("_")}
+    assert called == set(protocol) | set(GradSync.__annotations__)
     for path, name in (("ft/cell_sync.py", "CellSync"), ("train_group/classic.py", "ClassicSync")):
         implemented = methods(RLFW / path, name)
         assert {m: implemented.get(m) for m in protocol} == protocol, name
+        assert set(GradSync.__annotations__) <= attributes(RLFW / path, name), name
 
 
 def test_cell_sync_reads_exactly_the_sync_host_protocol_of_its_worker():
@@ -249,12 +271,12 @@ def test_quorum_id_changes_when_membership_does(steady, kill_and_heal):
 
 
 def test_torchft_private_names_rlfw_depends_on_still_exist(steady):
-    """rlfw/ft/manager.py replaces torchft.manager.ManagerServer, which Manager.__init__ looks up in its module at
-    call time; rlfw/ft/cell_sync.py reads Manager._quorum_id (-1 until the first quorum)."""
+    """rlfw/ft/torchft_api.py replaces torchft.manager.ManagerServer, which Manager.__init__ looks up in its module
+    at call time, and reads Manager._quorum_id (-1 until the first quorum)."""
     assert isinstance(tft_manager.ManagerServer, type)
     assert "ManagerServer" in Manager.__init__.__code__.co_names
     assert [p["quorum_id"] for p in steady.probes] == [-1, -1]
-    # rlfw.ft.manager.manager_replica_id reads REPLICA_ID_KEY from the cell's store
+    # rlfw.ft.torchft_api.manager_replica_id reads REPLICA_ID_KEY from the cell's store
     assert [p["replica_id"].split(":")[0] for p in steady.probes] == ["cell_0", "cell_1"]
     assert all(len(p["replica_id"].split(":")[1]) == 36 for p in steady.probes)  # a uuid4 per incarnation
 
@@ -266,3 +288,20 @@ def test_the_manager_server_listens_on_the_configured_host_only(steady):
         assert probe["manager_server"] and {ip for ip, _ in probe["manager_server"]} == {HOST}
     for sockets in steady.listening:
         assert not [s for s in sockets if s[0] in ("0.0.0.0", "::")], sockets
+
+
+def test_cells_killed_before_and_inside_their_forward_backward_are_retried_by_the_survivors(forward_deaths):
+    """The worker's own minibatch loop (rlfw.train_group.minibatches) reaches both fault points; each failed step
+    leaves no trace, the retry trains the whole minibatch once, bitwise as one process would."""
+    steps = forward_deaths.steps
+    assert forward_deaths.exitcodes == [None, KILLED, KILLED]  # cell 0 lives on
+    assert steps[0][2] is None and steps[1][1] is None
+    assert [kill_marker(forward_deaths.run_dir, i)["phase"] for i in (0, 1)] == ["before_forward",
+                                                                                "mid_forward_backward"]
+    ref = reference([2, 1])
+    for step, participants in ((0, 2), (1, 1)):
+        failed, *_, committed = steps[step][0]["attempts"]
+        assert not failed["committed"] and committed["committed"] and committed["num_participants"] == participants
+        assert committed_ids(steps[step], step) == all_ids(step)
+        assert_bitwise_equal(committed["grads"], ref[step]["grads"], f"step {step} retried gradient")
+    assert_same_state(steps[1][0]["after"], ref[1], keys=("weights", "optimizer"))

@@ -5,7 +5,7 @@ large buffer, and allocate nothing the size of the buffer."""
 import pytest
 import torch
 
-from rlfw.megatron.policy import all_finite
+from rlfw.megatron.trainer import all_finite
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA reduction: run on the device")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rlfw.megatron.policy import all_finite
+from rlfw.megatron.trainer import all_finite
 
 
 @pytest.mark.parametrize("where", [0, 999, 1000, 1001, 4999])

@@ -8,7 +8,7 @@ import torch
 from rlfw.megatron import multi_tensor
 from rlfw.megatron.model import build_gpt, transformer_config
 from rlfw.model.shape import ModelShape
-from rlfw.megatron.policy import megatron_adam
+from rlfw.megatron.trainer import megatron_adam
 
 SHAPE = ModelShape(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
                    vocab_size=24, max_seq_len=16)

@@ -284,7 +284,7 @@ def test_trainer_same_with_and_without_packing(megatron_world):
 
 def test_fused_adam_matches_the_default_step(megatron_world):
     """use_fused_adam switches Megatron's torch AdamW to the fused kernel: same update (to rounding)."""
-    from rlfw.megatron.policy import use_fused_adam
+    from rlfw.megatron.trainer import use_fused_adam
 
     batch = trainer_batch([17, 24, 20, 18])
     initial = make_trainer("sdpa", 128).named_weights()

@@ -42,3 +42,18 @@ def test_a_failure_that_is_not_started_costs_nothing():
 def test_replacements_off_or_a_zero_budget_replace_nothing():
     assert ReplacementPolicy(False, -1, 1.0).on_failure(0) is None
     assert ReplacementPolicy(True, 0, 1.0).on_failure(0) is None
+
+
+def test_a_scheduled_replacement_is_due_after_its_backoff_once():
+    clock = Clock()
+    policy = ReplacementPolicy(True, -1, backoff_s=2.0, clock=clock)
+    assert policy.schedule(0, incarnation=1) and policy.due() == [(0, 1)] and not policy.waiting()
+    policy.on_started()
+    assert policy.schedule(0, incarnation=2)  # failed again before committing: 2 s of backoff
+    assert policy.waiting() and policy.due() == []
+    clock.now += 2.0
+    assert policy.due() == [(0, 2)] and policy.due() == []
+    assert not ReplacementPolicy(False, -1, 1.0).schedule(0, 1)
+    policy.schedule(1, 1)
+    policy.clear()
+    assert not policy.waiting() and policy.due() == []

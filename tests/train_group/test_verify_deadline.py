@@ -7,7 +7,7 @@ import threading
 
 import ray
 
-from rlfw.train_group.cells import CellState
+from rlfw.train_group.cell import CellState
 
 
 def test_a_cell_stalled_in_the_weight_check_is_failed_not_waited_for(make_group):
@@ -15,7 +15,7 @@ def test_a_cell_stalled_in_the_weight_check_is_failed_not_waited_for(make_group)
                           "ft.replace_failed=false")
     first = group.weights_digests()
     assert sorted(first) == [0, 1] and first[0] == first[1]
-    stalled = ray.get(group.cells[1].world.workers[0].pid.remote(), timeout=60)
+    stalled = ray.get(group.roster.cells[1].world.workers[0].pid.remote(), timeout=60)
     os.kill(stalled, signal.SIGSTOP)
     try:
         answer = {}
@@ -26,4 +26,4 @@ def test_a_cell_stalled_in_the_weight_check_is_failed_not_waited_for(make_group)
     finally:
         os.kill(stalled, signal.SIGCONT)
     assert answer == {0: first[0]}
-    assert group.cells[1].state is CellState.ERRORED and group.failures == 1
+    assert group.roster.cells[1].state is CellState.ERRORED and group.roster.failures == 1
