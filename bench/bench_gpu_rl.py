@@ -53,18 +53,18 @@ class MemoryTrace(threading.Thread):
 
     def __init__(self, period_s: float = 0.25) -> None:
         super().__init__(daemon=True)
-        self.period_s, self.samples, self._stop = period_s, [], threading.Event()
+        self.period_s, self.samples, self._done = period_s, [], threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._done.is_set():
             out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, timeout=10).stdout.split()
             if out:
                 self.samples.append((time.time(), float(out[0])))
-            self._stop.wait(self.period_s)
+            self._done.wait(self.period_s)
 
     def stop(self) -> list:
-        self._stop.set()
+        self._done.set()
         self.join(15)
         return self.samples
 
