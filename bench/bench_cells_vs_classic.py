@@ -52,7 +52,7 @@ def main() -> None:
         common = [f"num_steps={args.steps}", "logger=jsonl", "checkpoint.save_final=false", *overrides]
         classic_dp, cells_dp = ["dp=classic", "dp.size=2"], ["dp=cells", "dp.num_cells=2"]
         if args.gpu:
-            common.append("cluster.device=cuda")
+            common += ["cluster.device=cuda", "cluster.placement=colocated"]  # the engine on the trainers' GPU
             classic_dp, cells_dp = ["dp=classic", "dp.size=1"], [*cells_dp, "cluster.gpus_per_worker=0.5"]
         name = model.replace(" ", "_")
         classic = run_training(f"speed_{name}_classic", [*classic_dp, *common])["rows"]

@@ -25,7 +25,10 @@ def cfg(*overrides):
 
 
 def test_two_cells_may_share_one_gpu():
-    validate(cfg("cluster.gpus_per_worker=0.5", "dp.num_cells=2"), num_devices=1)
+    # the engine beside them on the same GPU: colocated (separate placement would give it a GPU of its own)
+    validate(cfg("cluster.gpus_per_worker=0.5", "dp.num_cells=2", "cluster.placement=colocated"), num_devices=1)
+    with pytest.raises(ConfigError, match=r"need 2 GPUs but 1 are visible; use cluster.placement=colocated"):
+        validate(cfg("cluster.gpus_per_worker=0.5", "dp.num_cells=2"), num_devices=1)
     with pytest.raises(ConfigError, match=r"dp.num_cells=3 .* needs 1.5 GPUs but 1 are visible"):
         validate(cfg("cluster.gpus_per_worker=0.5", "dp.num_cells=3"), num_devices=1)
     with pytest.raises(ConfigError, match=r"needs 2 GPUs but 1 are visible"):
@@ -48,7 +51,8 @@ def test_gpu_share_out_of_range(share):
 
 
 STEPS = 4
-SHARED = ["dp=cells", "dp.num_cells=2", "cluster.device=cuda", "cluster.gpus_per_worker=0.5", f"num_steps={STEPS}",
+SHARED = ["dp=cells", "dp.num_cells=2", "cluster.device=cuda", "cluster.gpus_per_worker=0.5",
+          "cluster.placement=colocated", f"num_steps={STEPS}",
           "ft.await_replacement_s=60", "ft.verify_weights_every=1", "split=delayed", "rollout.num_prompts=4",
           "checkpoint.interval=1"]
 
@@ -102,7 +106,8 @@ def test_classic_on_one_gpu_trains_like_one_cell(tmp_path):
     trained, and the weights bitwise equal after every step."""
     from harness import checkpoint_model, max_abs_diff, read_jsonl, run_rlfw
 
-    common = ["cluster.device=cuda", f"num_steps={STEPS}", "rollout.num_prompts=4", "checkpoint.interval=1"]
+    common = ["cluster.device=cuda", "cluster.placement=colocated", f"num_steps={STEPS}", "rollout.num_prompts=4",
+              "checkpoint.interval=1"]
     classic = run_rlfw(tmp_path / "classic", "dp=classic", "dp.size=1", *common)
     cell = run_rlfw(tmp_path / "cell", "dp=cells", "dp.num_cells=1", *common)
     assert [e["sample_ids"] for e in read_jsonl(classic / "ledger.jsonl")] == \
