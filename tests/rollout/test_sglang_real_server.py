@@ -1,6 +1,6 @@
 """The SGLang engine against a real SGLang server on CPU (``make setup-sglang``'s environment, see the README).
 
-One server for the whole session (a start costs 15-45 s), attached by URL, as a user attaches rlfw to servers they
+One server for this file's tests (a start costs 15-45 s), attached by URL, as a user attaches rlfw to servers they
 started; each test pushes its own weights and versions. The only stand-in is SGLang's CPU kernel package
 (``tests/sglang_cpu/sgl_kernel``). What a real server cannot be made to do on demand (hold a request between two
 decode steps, act as a router) stays with ``fake_sglang_server.py`` in ``test_sglang_engine.py``.
@@ -38,7 +38,7 @@ def sglang_python() -> str:
     return python
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped after this file: an idle SGLang scheduler busy-polls a core
 def real_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real_sglang")
     model = save_server_checkpoint(tmp / "initial", STATE_B, SHAPE, EOS)
