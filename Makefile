@@ -81,8 +81,8 @@ setup-test:
 test: setup-test
 	RLFW_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: $(VENV)/.installed-test
-	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+test-fast: setup-test
+	RLFW_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/bench_learning.py
