@@ -10,9 +10,12 @@ fp32 master weights, fp32 gradient buffer and Adam's two moments (18 bytes a par
 share); an engine holds bf16 weights and a key-value cache for ``rollout.max_batch`` sequences of
 ``model.max_seq_len`` tokens. With ``cluster.placement=colocated`` the trainer's optimizer state and gradients
 leave the GPU while the engine generates and the engine's cache is freed while the trainer trains
-(``rlfw.train_group.offload``, the engine's own cache), so the larger phase is what must fit; separate placement puts engines on GPUs of
-their own. Activations are not counted: the check refuses placements that cannot fit, it does not promise that
-one that passes will.
+(``rlfw.train_group.offload``, the engine's own cache), so the larger phase is what must fit; separate placement
+puts engines on GPUs of their own. A colocated SGLang server keeps its memory through training: at its start it
+takes its ``--mem-fraction-static`` share of the memory then free (beside the trainers' resident state) for its
+weights and cache, so that share must hold its weights, and the rest of the GPU the trainers' training phase.
+Activations are not counted: the check refuses placements that cannot fit, it does not promise that one that passes
+will.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from rlfw.model.shape import ModelShape
 GIB = 1 << 30
 TRAIN_BYTES_PER_PARAM = 18  # bf16 weight 2 + fp32 master 4 + fp32 main grad 4 + Adam moments 8
 RESIDENT_TRAIN_BYTES_PER_PARAM = 6  # colocated, while the engine generates: bf16 weight + fp32 master stay
+FRACTION_FLAG = "--mem-fraction-static"  # SGLang's share of the GPU memory free at its start
 
 
 def num_params(shape: ModelShape) -> int:
@@ -93,15 +97,58 @@ class GpuBudget:
         return max(self.train, self.generate)
 
 
-def gpu_budget(cfg, shape: ModelShape, samples_per_engine: int) -> GpuBudget:
-    """The most bytes any one GPU holds in each phase under ``cluster.placement`` (see the module docstring)."""
-    params = num_params(shape)
-    rank_share = params // cfg.dp.tp
-    ranks_per_gpu = max(1, round(1 / cfg.cluster.gpus_per_worker))
-    engine_weights = 2 * params
+def trainer_params(cfg, shape: ModelShape) -> int:
+    """Parameters the trainer ranks sharing one GPU hold (each its tensor-parallel share)."""
+    return max(1, round(1 / cfg.cluster.gpus_per_worker)) * (num_params(shape) // cfg.dp.tp)
+
+
+def sglang_share(cfg) -> float | None:
+    """The share of its GPU's free memory a launched SGLang server takes (``--mem-fraction-static``) when it shares
+    the GPU with the trainers (cluster.placement=colocated); None otherwise. ConfigError when the flag is missing or
+    outside (0, 1)."""
+    sglang = cfg.rollout.sglang
+    if cfg.rollout.backend != "sglang" or cfg.cluster.placement != "colocated" or sglang.urls \
+            or not sglang.gpus_per_engine:
+        return None
+    args, value = list(sglang.extra_args), None
+    for i, arg in enumerate(args):  # --flag value or --flag=value; the last one counts, as in SGLang's argparse
+        if arg == FRACTION_FLAG:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        elif arg.startswith(FRACTION_FLAG + "="):
+            value = arg.partition("=")[2]
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        share = None
+    if share is None or not 0 < share < 1:
+        raise ConfigError(
+            f"rollout.sglang.extra_args gives {FRACTION_FLAG} {value!r}: with cluster.placement=colocated the SGLang "
+            "server shares the GPU with the trainers and keeps its memory while they train, so bound it: add "
+            f"{FRACTION_FLAG},F to rollout.sglang.extra_args, F in (0, 1) the share of the GPU's free memory it "
+            "takes at its start (e.g. 0.5)"
+        )
+    return share
+
+
+def gpu_budget(cfg, shape: ModelShape, samples_per_engine: int, gpu_bytes: int) -> GpuBudget:
+    """The most bytes any one GPU of ``gpu_bytes`` holds in each phase under ``cluster.placement`` (see the module
+    docstring)."""
+    engine_weights = 2 * num_params(shape)
     max_batch = cfg.rollout.max_batch or samples_per_engine
     kv_cache = kv_bytes_per_token(shape) * shape.max_seq_len * max_batch
-    trainers = ranks_per_gpu * rank_share
+    trainers = trainer_params(cfg, shape)
+    share = sglang_share(cfg)
+    if share is not None:
+        resident = trainers * RESIDENT_TRAIN_BYTES_PER_PARAM
+        server = int(share * (gpu_bytes - resident))  # SGLang's weights and cache: its share of what is free
+        if server < engine_weights:
+            raise ConfigError(
+                f"rollout.sglang.extra_args: --mem-fraction-static={share:g} gives the SGLang server {server / GIB:.1f}"
+                f" GiB of the {(gpu_bytes - resident) / GIB:.1f} GiB its GPU has free beside the trainers' resident "
+                f"{resident / GIB:.1f} GiB: less than its {engine_weights / GIB:.1f} GiB of bf16 weights; raise "
+                "--mem-fraction-static"
+            )
+        return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM + server, generate=resident + server)
     if cfg.cluster.placement == "colocated":
         return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM + engine_weights,
                          generate=trainers * RESIDENT_TRAIN_BYTES_PER_PARAM + engine_weights + kv_cache)
@@ -113,8 +160,19 @@ def gpu_budget(cfg, shape: ModelShape, samples_per_engine: int) -> GpuBudget:
 
 def check_gpu_memory(cfg, shape: ModelShape, gpu_bytes: int, samples_per_engine: int) -> GpuBudget:
     """Raise ConfigError when a phase of the step cannot fit a GPU of ``gpu_bytes``, naming sizes and keys."""
-    budget = gpu_budget(cfg, shape, samples_per_engine)
+    budget = gpu_budget(cfg, shape, samples_per_engine, gpu_bytes)
     params = num_params(shape)
+    share = sglang_share(cfg)
+    if share is not None and budget.train > gpu_bytes:
+        training = trainer_params(cfg, shape) * TRAIN_BYTES_PER_PARAM
+        raise ConfigError(
+            f"a GPU of {gpu_bytes / GIB:.1f} GiB cannot hold this run's training phase beside its SGLang server, which "
+            f"keeps {(budget.train - training) / GIB:.1f} GiB (--mem-fraction-static={share:g} of what was free "
+            f"at its start) while the trainers need {training / GIB:.1f} GiB ({TRAIN_BYTES_PER_PARAM} "
+            f"bytes a parameter per rank, {max(1, round(1 / cfg.cluster.gpus_per_worker))} rank(s) a GPU) before "
+            "activations; lower --mem-fraction-static in rollout.sglang.extra_args, raise dp.tp, or use fewer ranks "
+            "a GPU (cluster.gpus_per_worker)"
+        )
     if budget.peak > gpu_bytes:
         phase = "training" if budget.train >= budget.generate else "generation"
         raise ConfigError(

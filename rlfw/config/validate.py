@@ -12,6 +12,7 @@ from rlfw.algo.advantages import ESTIMATOR_OPTIONS, ESTIMATORS
 from rlfw.algo.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlfw.cluster.address import AddressError, check_rule
 from rlfw.cluster.labels import parse_labels
+from rlfw.config.devices import sglang_share
 from rlfw.config.schema import RLConfig
 from rlfw.errors import ConfigError
 from rlfw.ft.faults import CELL_ONLY_PHASES
@@ -112,6 +113,7 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
         )
     if cfg.rollout.backend == "sglang":
         _check_sglang(cfg.rollout.sglang, cfg.rollout.num_engines)
+        sglang_share(cfg)  # colocated: the server's bound on the GPU it shares with the trainers
 
     for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                 "max_seq_len", "head_dim", "vocab_size"):

@@ -48,7 +48,7 @@ from rlfw.rollout.engines.sglang_client import (
     parse_outputs,
     request_seeds,
 )
-from rlfw.rollout.engines.sglang_server import launch_argv
+from rlfw.rollout.engines.sglang_server import launch_argv, server_gpus
 from rlfw.rollout.types import Generation, SamplingParams
 
 torch.set_num_threads(1)
@@ -272,6 +272,48 @@ def test_sglang_config_is_accepted():
 def test_bad_sglang_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(compose(*overrides))
+
+
+def test_a_colocated_server_shares_the_trainers_gpus():
+    cfg = compose("cluster.placement=colocated", "rollout.num_engines=2",
+                  "rollout.sglang.extra_args=[--mem-fraction-static,0.5]")
+    tokenizer = type("Tokenizer", (), {"eos_token_id": EOS})()
+    assert SGLangEngine.init_kwargs(cfg, SHAPE, tokenizer, 0, 1, Path("w"))["colocated"]
+    assert not SGLangEngine.init_kwargs(compose(), SHAPE, tokenizer, 0, 1, Path("w"))["colocated"]
+    # Ray gave the trainers the GPUs: the server's actor asks for none, and the engines spread over the node's GPUs
+    assert server_gpus(1, colocated=True, index=1, node_gpus=1) == (0, ["--base-gpu-id", "0"])
+    assert server_gpus(1, colocated=True, index=1, node_gpus=2) == (0, ["--base-gpu-id", "1"])
+    assert server_gpus(2, colocated=False, index=1, node_gpus=4) == (2, [])  # Ray's CUDA_VISIBLE_DEVICES places it
+    assert server_gpus(0, colocated=True, index=1, node_gpus=0) == (0, [])  # a CPU build
+
+
+@pytest.mark.parametrize("fraction", [None, "1.5", "x"])
+def test_a_colocated_server_needs_a_bound_on_its_memory(fraction):
+    extra = f"[--mem-fraction-static,{fraction}]" if fraction else "[]"
+    with pytest.raises(ConfigError, match=r"rollout\.sglang\.extra_args gives --mem-fraction-static .*colocated"):
+        validate(compose("cluster.placement=colocated", f"rollout.sglang.extra_args={extra}"))
+
+
+def test_a_colocated_servers_share_must_leave_the_trainers_their_training_phase():
+    from rlfw.config.devices import GIB, check_gpu_memory
+
+    qwen2_0p5b = ModelShape(num_layers=24, hidden_size=896, num_attention_heads=14, num_query_groups=2,
+                            ffn_hidden_size=4864, vocab_size=151936, max_seq_len=160, qkv_bias=True,
+                            tie_word_embeddings=True)
+    two_cells = ["dp.num_cells=2", "cluster.gpus_per_worker=0.5", "cluster.placement=colocated"]
+
+    def check(fraction: float):
+        cfg = compose(*two_cells, f"rollout.sglang.extra_args=['--mem-fraction-static={fraction}']")
+        return check_gpu_memory(cfg, qwen2_0p5b, 80 * GIB, samples_per_engine=512)
+
+    budget = check(0.5)  # the server takes half of the 74.5 GiB the cells' resident 5.5 GiB leave; they train beside
+    assert abs(budget.generate / GIB - (5.52 + 37.24)) < 0.01 and abs(budget.train / GIB - (16.56 + 37.24)) < 0.01
+    with pytest.raises(ConfigError, match=r"training phase beside its SGLang server, which keeps 67\.0 GiB .*"
+                                          r"need 16\.6 GiB.*lower --mem-fraction-static"):
+        check(0.9)
+    with pytest.raises(ConfigError, match=r"--mem-fraction-static=0\.01 gives the SGLang server 0\.7 GiB of the 74\.5"
+                                          r" GiB .* resident 5\.5 GiB: less than its 0\.9 GiB of bf16 weights"):
+        check(0.01)
 
 
 def test_tensor_push_is_not_implemented(tmp_path):

@@ -8,7 +8,9 @@ spreads requests over the engines, so one engine is one server:
   disk), listening on ``base_port + i``. It starts at the first weight update, from that checkpoint: a server
   needs a model to start with, and that one is exactly the trainer's policy. Its log goes to
   ``<workdir>/sglang_server.log``; a server that is not healthy within ``startup_timeout_s`` is an error naming
-  the engine, its URL and the log's last lines.
+  the engine, its URL and the log's last lines. With ``cluster.placement=colocated`` the server shares the trainers'
+  GPUs instead of holding its own in Ray's books (``sglang_server.server_gpus``), within its
+  ``--mem-fraction-static``: unlike the local engine it keeps its memory while the trainers train.
 * Attach mode: the server at ``urls[i]`` runs already, started by someone else; ``router_url``, if set, carries
   the generation requests (weights still go to every server, through its own engine).
 * Weights go through the filesystem: ``update_weights`` writes an HF checkpoint under ``weights_dir`` (which the
@@ -65,7 +67,7 @@ from rlfw.rollout.engines.sglang_client import (
     SGLangClient,
     request_seeds,
 )
-from rlfw.rollout.engines.sglang_server import ServerProcess, launch_argv
+from rlfw.rollout.engines.sglang_server import ServerProcess, launch_argv, server_gpus
 from rlfw.rollout.types import Generation, PartialResponse, SamplingParams
 
 HEALTH_POLL_S = 1.0
@@ -104,6 +106,7 @@ class SGLangEngine(Engine):
         workdir: str | Path,
         cpus_per_engine: float = 0.5,
         joined: bool = False,
+        colocated: bool = False,
     ) -> None:
         if cfg.weight_sync != "disk":
             raise NotImplementedError(
@@ -119,6 +122,7 @@ class SGLangEngine(Engine):
         self.workdir = Path(workdir).resolve()
         self.weights_dir = (Path(cfg.weights_dir) / f"engine_{index}" if cfg.weights_dir else self.workdir).resolve()
         self.cpus_per_engine = cpus_per_engine
+        self.colocated = colocated  # launch mode: the server shares the trainers' GPUs (cluster.placement=colocated)
         self.launch = not cfg.urls
         if not self.launch and index >= len(cfg.urls):
             raise ValueError(f"SGLang engine {index} has no server: rollout.sglang.urls lists {len(cfg.urls)}")
@@ -132,6 +136,7 @@ class SGLangEngine(Engine):
         self.weight_version: int | None = None
         self._checkpoint: Path | None = None
         self._process: Any = None  # launch mode: the ServerProcess actor, once started
+        self._gpus, self._gpu_args = 0, []  # launch mode: its actor's Ray GPUs, the flags placing it on the node's
         self.server_pid: int | None = None  # launch mode: the last server process started
         self._paused = False  # the server was paused to take a push, and is to continue once loaded
         # A push waits for the call under way to reach its next poll (at worst it is checking a failed server and
@@ -156,6 +161,7 @@ class SGLangEngine(Engine):
             "joined": bool(cfg.cluster.address),
             "workdir": workdir,
             "cpus_per_engine": cfg.rollout.cpus_per_engine,
+            "colocated": cfg.cluster.placement == "colocated",
         }
 
     def update_weights(self, hf_state: dict[str, torch.Tensor], version: int) -> None:
@@ -347,12 +353,13 @@ class SGLangEngine(Engine):
         """(Re)start the launched server from the current checkpoint and wait until it is healthy."""
         if self._process is None:
             node = ray.get_runtime_context().get_node_id()
-            self._require_gpus(node)
+            self._gpus, self._gpu_args = server_gpus(self.cfg.gpus_per_engine, self.colocated, self.index,
+                                                    self._require_gpus(node))
             self._process = (
                 ray.remote(ServerProcess)
                 .options(
                     num_cpus=self.cpus_per_engine,
-                    num_gpus=self.cfg.gpus_per_engine,
+                    num_gpus=self._gpus,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 )
                 .remote(self.name, str(self.log_path))
@@ -365,14 +372,14 @@ class SGLangEngine(Engine):
             max(1, self.cfg.gpus_per_engine),
             str(self.weight_version),
             self.seed,
-            list(self.cfg.extra_args),
+            self._gpu_args + list(self.cfg.extra_args),
         )
         placing_s = self.cfg.startup_timeout_s + 60  # its actor waits for this node to have the GPUs it asks for
         try:
             self.server_pid = ray.get(self._process.start.remote(argv), timeout=placing_s)
         except GetTimeoutError:
             self.shutdown()  # the pending actor goes too: the next load starts a server afresh
-            raise RuntimeError(f"{self.name}: the actor of its server process (num_gpus={self.cfg.gpus_per_engine} on "
+            raise RuntimeError(f"{self.name}: the actor of its server process (num_gpus={self._gpus} on "
                                f"this node) did not start within {placing_s:g} s: are the node's GPUs taken?") from None
         try:
             self._wait_healthy("to start")
@@ -380,9 +387,9 @@ class SGLangEngine(Engine):
             self.shutdown()  # nothing half-started stays behind
             raise
 
-    def _require_gpus(self, node: str) -> None:
-        """Fail at once, naming the key, where the server's actor could never be placed (Ray would wait for GPUs
-        this node does not have)."""
+    def _require_gpus(self, node: str) -> int:
+        """This node's GPUs in Ray; fails at once, naming the key, where the server's actor could never be placed
+        (Ray would wait for GPUs this node does not have)."""
         wanted = self.cfg.gpus_per_engine
         has = next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == node), 0)
         if wanted > has:
@@ -391,6 +398,7 @@ class SGLangEngine(Engine):
                 "set rollout.sglang.gpus_per_engine=0 with a CPU build of SGLang (`make run ARGS=\"rollout=sglang\"` "
                 "sets one up), or run on a node with GPUs"
             )
+        return int(has)
 
     def _wait_healthy(self, why: str) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s

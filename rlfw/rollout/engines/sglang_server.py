@@ -1,10 +1,14 @@
 """Launch mode: one ``sglang.launch_server`` process per engine, owned by a Ray actor that holds its GPUs.
 
 The actor is scheduled with ``num_gpus``, so Ray sets ``CUDA_VISIBLE_DEVICES`` to its GPUs and the server process
-inherits it: SGLang sees exactly the devices Ray gave this engine. The process runs in a session (and process group)
-of its own because SGLang forks a scheduler and a detokenizer per server; stopping the group stops them all, and
-nothing is left holding GPU memory or the port. Should the actor die instead, Ray ends its child, the server, and
-SGLang's processes end themselves when their parent dies (``PR_SET_PDEATHSIG``).
+inherits it: SGLang sees exactly the devices Ray gave this engine. With ``cluster.placement=colocated`` the server
+shares the trainers' GPUs, which Ray has already given to them: its actor asks for none (Ray then leaves every GPU
+of the node visible), ``--base-gpu-id`` spreads the engines over them, and ``--mem-fraction-static`` bounds what the
+server takes (``server_gpus``; ``rlfw.config.devices`` checks that flag and what it leaves the trainers). The
+process runs in a session (and process group) of its own because SGLang forks a scheduler and a detokenizer per
+server; stopping the group stops them all, and nothing is left holding GPU memory or the port. Should the actor die
+instead, Ray ends its child, the server, and SGLang's processes end themselves when their parent dies
+(``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ def launch_argv(
         "--skip-tokenizer-init",
         *extra_args,
     ]  # fmt: skip
+
+
+def server_gpus(gpus_per_engine: int, colocated: bool, index: int, node_gpus: int) -> tuple[int, list[str]]:
+    """Ray GPUs of engine ``index``'s server actor, and the flags placing the server on the node's ``node_gpus``."""
+    if not colocated or gpus_per_engine == 0:
+        return gpus_per_engine, []
+    return 0, ["--base-gpu-id", str(index * gpus_per_engine % node_gpus)]
 
 
 class ServerProcess:
