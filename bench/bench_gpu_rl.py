@@ -1,6 +1,7 @@
 """RL on one GPU, end to end: ``python -m rlfw.train`` runs of a Qwen2-0.5B-shaped policy (random init, the real
-vocabulary's output layer) on the long-tailed copy task, one row per placement and loop, with the GPU's memory
-sampled meanwhile. Prints one table; each run's metrics.jsonl and the memory trace go to ``--out``.
+vocabulary's output layer) on the long-tailed copy task, one row per placement and loop (and one on a stock SGLang
+server: ``sglang_colocated_2cells``), with the GPU's memory sampled meanwhile. Prints one table; each run's
+metrics.jsonl and the memory trace go to ``--out``.
 
     python3 bench/bench_gpu_rl.py --out $OUT [--rows colocated_2cells_kill,separate_sync,separate_async] [--steps 8]
 
@@ -34,11 +35,20 @@ QWEN2_0P5B = ["model.num_layers=24", "model.hidden_size=896", "model.num_attenti
 COMMON = ["cluster.device=cuda", *QWEN2_0P5B, "task.length=64", "+task.min_length=2", "rollout.num_prompts=64",
           "rollout.n_samples_per_prompt=8", "algo.max_tokens_per_microbatch=16384", "algo.lr=1e-4",
           "logger=jsonl", "checkpoint.save_final=false", "ft.verify_weights_every=5"]
+# rollout=sglang: a stock SGLang server (bench/carry/build_sglang.sh, unpacked into /tmp/sglang-site by its
+# install_sglang.sh) on the GPU, its PYTHONPATH that folder alone; triton attention and torch sampling, no FlashInfer
+SGLANG = ["rollout=sglang",
+          "rollout.sglang.launch_command=[env,'PYTHONPATH=/tmp/sglang-site','{python}',-m,sglang.launch_server]",
+          "rollout.sglang.extra_args=[--attention-backend,triton,--sampling-backend,pytorch,--dtype,bfloat16,"
+          "--mem-fraction-static,0.5]", "rollout.sglang.startup_timeout_s=300"]
 ROWS = {
     # two one-rank cells on the GPU with the engine, memory handed over; cell 1 SIGKILLed inside step 3's backward
     "colocated_2cells_kill": ["dp=cells", "dp.num_cells=2", "cluster.gpus_per_worker=0.5",
                               "cluster.placement=colocated", "loop=sync", "fault=kill_once", "fault.cell=1",
                               "fault.step=3", "fault.phase=mid_forward_backward", "ft.await_replacement_s=120"],
+    # the same two cells beside an SGLang server, which keeps half the GPU's free memory through training
+    "sglang_colocated_2cells": [*SGLANG, "dp=cells", "dp.num_cells=2", "cluster.gpus_per_worker=0.5",
+                                "cluster.placement=colocated", "loop=sync"],
     "colocated_classic": ["dp=classic", "dp.size=1", "cluster.placement=colocated", "loop=sync"],
     # one cell and the engine each with half the GPU in Ray's books, both resident
     "separate_sync": ["dp=cells", "dp.num_cells=1", "cluster.gpus_per_worker=0.5", "rollout.gpus_per_engine=0.5",
