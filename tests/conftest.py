@@ -17,6 +17,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 SESSION_MARK = "RLFW_TEST_SESSION"
 os.environ[SESSION_MARK] = str(os.getpid())  # inherited by every process the session starts, Ray's included
+TEST_MARK = "RLFW_TEST_NODEID"  # the test running when a process started (a Ray worker's: when Ray started)
 
 import pytest
 
@@ -25,6 +26,10 @@ E2E_DIR = Path(__file__).parent / "e2e"
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)  # stable: fast tests first
+
+
+def pytest_runtest_setup(item):
+    os.environ[TEST_MARK] = item.nodeid
 
 
 LEFTOVER_GRACE_S = 30.0  # processes told to stop as the session's Ray shut down are given this long to exit
@@ -39,12 +44,21 @@ def pytest_sessionfinish(session, exitstatus):
         sys.modules["wandb"].teardown()
     leftovers = leftover_processes(SESSION_MARK, os.environ[SESSION_MARK], LEFTOVER_GRACE_S)
     if leftovers:
-        names = ", ".join(f"{p.pid} {' '.join(p.cmdline())[:80]!r}" for p in leftovers)
+        names = ", ".join(describe(p) for p in leftovers)
         session.config.get_terminal_writer().line(
             f"FAILED: {len(leftovers)} processes the test session started outlived it (killed now): {names}", red=True)
         for process in leftovers:
             process.kill()
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def describe(process) -> str:
+    """A leftover process, with what tells where it came from."""
+    try:
+        return (f"{process.pid} (parent {process.ppid()}, started during {process.environ().get(TEST_MARK)}) "
+                f"{' '.join(process.cmdline())[:100]!r}")
+    except Exception as e:  # noqa: BLE001 - it may end while being described
+        return f"{process.pid} ({e!r})"
 
 
 @pytest.fixture(scope="session")

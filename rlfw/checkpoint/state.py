@@ -11,6 +11,7 @@ No RNG state is saved: training draws no random numbers (no dropout), and rollou
 
 from __future__ import annotations
 
+import queue
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,24 @@ def _sharded_state(trainer, is_loading: bool) -> dict[str, Any]:
     return {"model": model, "optimizer": trainer.optimizer.sharded_state_dict(model, is_loading=is_loading)}
 
 
+def collect_write_results_in_process() -> None:
+    """Megatron's torch_dist writer hands the written files' results back through a queue made for async saves,
+    whose caller is another process: a ``multiprocessing.Manager`` queue, that is a spawned Python server in every
+    process that saves. rlfw saves synchronously (the queue is filled and emptied in this process), so a plain
+    queue serves; the server cost a Python start-up (imports included) at each trainer's first save, and it outlived
+    a trainer SIGKILLed while holding it. Megatron reads its module-global ``_results_queue`` (every release so
+    far); tests/megatron/test_checkpoint_state.py pins that a save starts no such server."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_state(path: str, trainer, common: dict[str, Any]) -> None:
     """Write this world's state into the (staging) directory ``path``; rank 0 empties it first."""
     from megatron.core import dist_checkpointing
 
+    collect_write_results_in_process()
     path = Path(path)
     if dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)  # a previous attempt (a failed writer) may have left files
