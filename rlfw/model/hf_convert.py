@@ -24,12 +24,13 @@ build; rlfw runs without Transformer Engine); every later release (0.4.0 to 0.6.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from transformers import AutoConfig, PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 from rlfw.model.shape import ModelShape
 
@@ -77,7 +78,12 @@ def hf_model_type(shape: ModelShape) -> str:
 
 
 def hf_config(shape: ModelShape) -> PretrainedConfig:
-    """The HF config (``LlamaConfig``, ``Qwen2Config`` or ``Qwen3Config``) of the network ``build_gpt`` builds."""
+    """The HF config (``LlamaConfig``, ``Qwen2Config`` or ``Qwen3Config``) of the network ``build_gpt`` builds.
+    (transformers is imported here, not with the module: a trainer converts its weights at every export and needs
+    no HF config, and importing transformers would delay its first export by a second or more.)"""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     model_type = hf_model_type(shape)
     family_switches = {
         "llama": {"attention_bias": False, "mlp_bias": False},

@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, DynamicCache
 
 from rlfw.model.hf_convert import hf_config
 from rlfw.model.shape import ModelShape
 from rlfw.rollout.engines.base import Engine
 from rlfw.rollout.engines.handoff import WeightHandoff
-from rlfw.rollout.engines.slots import ATTENTION, SlotDecoder, run_slots
 from rlfw.rollout.types import Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+    from rlfw.rollout.engines.slots import SlotDecoder
 
 
 class LocalEngine(Engine):
@@ -65,7 +68,13 @@ class LocalEngine(Engine):
         if self.decoder not in ("lockstep", "slots"):
             raise ValueError(f"decoder={decoder!r} is not one of lockstep, slots, auto")
         self.max_batch, self.cuda_graphs, self.release_cache = max_batch, cuda_graphs, release_cache
-        # The HF class of the policy's family (hf_config picks Llama, Qwen2 or Qwen3 from the shape).
+        # The HF class of the policy's family (hf_config picks Llama, Qwen2 or Qwen3 from the shape). HF's modeling
+        # code is imported here, in the engine's process: whoever only names the class (the rollout manager, which
+        # starts the engines) need not wait for it before the engine's own process starts.
+        from transformers import AutoModelForCausalLM
+
+        from rlfw.rollout.engines.slots import ATTENTION
+
         attention = {"attn_implementation": ATTENTION} if self.decoder == "slots" else {}
         dtype = torch.bfloat16 if on_cuda else torch.float32
         self.model = AutoModelForCausalLM.from_config(hf_config(shape), **attention).to(self.device, dtype).eval()
@@ -124,6 +133,8 @@ class LocalEngine(Engine):
             return self._decode(prompts, params, started)
 
     def _decode_slots(self, prompts: list[list[int]], params: SamplingParams, started: float) -> list[Generation]:
+        from rlfw.rollout.engines.slots import SlotDecoder, run_slots
+
         out = _Responses(len(prompts))
         slots = min(len(prompts), self.max_batch or len(prompts))
         length = max(len(prompt) for prompt in prompts) + params.max_new_tokens
@@ -189,6 +200,8 @@ class LocalEngine(Engine):
     ) -> tuple[DynamicCache, Tensor, Tensor, Tensor]:
         """A fresh cache of the prompts and the tokens ``decoded`` so far under the current weights: (cache, the
         next token's logits, the next position, the attention mask)."""
+        from transformers import DynamicCache
+
         input_ids = torch.cat([prompt_ids, *[tokens[:, None] for tokens in decoded]], dim=1)
         attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(len(prompt_ids), len(decoded))], dim=1)
         # Each sequence counts positions from its first real token, as it would unpadded.
