@@ -76,7 +76,9 @@ class SGLangConfig:
     max_retries: int = 3  # re-sends of a failed /generate batch, to another server when one is serving
     retry_backoff_s: float = 1.0  # wait before retry k: retry_backoff_s * 2**(k-1)
     weights_dir: Optional[str] = None  # checkpoints the servers load (they must see it); None = each engine's workdir
-    weight_sync: str = "disk"  # disk: HF checkpoint + /update_weights_from_disk (tensor, distributed: not implemented)
+    # disk: HF checkpoint + /update_weights_from_disk; tensor: shared memory + /update_weights_from_tensor (the server
+    # on the engine's node); auto: tensor for launched servers, disk for attached ones (distributed: not implemented)
+    weight_sync: str = "disk"
 
 
 @dataclass

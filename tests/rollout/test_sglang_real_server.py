@@ -98,6 +98,33 @@ def test_a_stale_server_is_given_the_current_weights_and_the_batch_re_sent(real_
     assert info["weight_version"] == "2"
 
 
+def test_weights_pushed_as_tensors_reach_the_server_without_a_checkpoint(real_server, shared_ray, tmp_path):
+    """weight_sync=tensor: the weights go in shared memory (/update_weights_from_tensor), none to disk; a server
+    that lost them gets them again the same way. The engine runs in an actor, as in a run: the shared-memory
+    manager torch starts for it ends with its process."""
+    import ray
+
+    engine = ray.remote(SGLangEngine).remote(sglang_cfg(urls=[real_server["url"]], weight_sync="tensor"), SHAPE, EOS,
+                                             0, 0, "127.0.0.1", tmp_path / "engine_0")
+    try:
+        for version, state in [(7, STATE_A), (8, STATE_B)]:
+            ray.get(engine.update_weights.remote(state, version), timeout=120)
+            generations = ray.get(engine.generate.remote(PROMPTS, GREEDY), timeout=120)
+            assert [g.response_ids for g in generations] == [e.response_ids for e in reference(state, PROMPTS, GREEDY)]
+            assert {g.weight_version for g in generations} == {version}
+        assert not list(tmp_path.rglob("*.safetensors"))
+        # Behind rlfw's back the server gets other weights: the engine pushes v8's tensors again before answering.
+        other = save_server_checkpoint(tmp_path / "other", STATE_A, SHAPE, EOS)
+        answer = requests.post(real_server["url"] + "/update_weights_from_disk",
+                               json={"model_path": str(other), "weight_version": "99"}, timeout=120)
+        assert answer.json()["success"] is True
+        generations = ray.get(engine.generate.remote(PROMPTS, GREEDY), timeout=120)
+        assert [g.response_ids for g in generations] == [e.response_ids for e in reference(STATE_B, PROMPTS, GREEDY)]
+        assert requests.get(real_server["url"] + "/model_info", timeout=10).json()["weight_version"] == "8"
+    finally:
+        ray.kill(engine)
+
+
 def test_a_bad_weights_path_is_refused_and_the_engine_keeps_its_weights(real_server, tmp_path):
     engine = attached(tmp_path, real_server["url"])
     engine.update_weights(STATE_B, version=3)

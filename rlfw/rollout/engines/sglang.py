@@ -13,10 +13,12 @@ spreads requests over the engines, so one engine is one server:
   ``--mem-fraction-static``: unlike the local engine it keeps its memory while the trainers train.
 * Attach mode: the server at ``urls[i]`` runs already, started by someone else; ``router_url``, if set, carries
   the generation requests (weights still go to every server, through its own engine).
-* Weights go through the filesystem: ``update_weights`` writes an HF checkpoint under ``weights_dir`` (which the
-  server must see) and calls ``/update_weights_from_disk`` with the version. Pushing tensors without the disk
-  (``/update_weights_from_tensor`` from a same-node trainer, or ``/init_weights_update_group`` +
-  ``/update_weights_from_distributed`` over NCCL) is not implemented: both need the trainer's weights on GPUs.
+* Weights go through the filesystem (``weight_sync=disk``): ``update_weights`` writes an HF checkpoint under
+  ``weights_dir`` (which the server must see) and calls ``/update_weights_from_disk`` with the version. Or, for a
+  server on this engine's node (``tensor``; ``auto`` picks it for launched servers), as tensors in shared memory
+  through ``/update_weights_from_tensor``: the server maps the pages and copies them into its parameters; a
+  checkpoint is written only for a server to start (or restart) from, and the engine keeps the last weights for
+  that. NCCL (``/init_weights_update_group`` + ``/update_weights_from_distributed``) is not implemented.
 * Every answer carries the server's weight version; one from other weights than the last pushed is refused (the
   server is given the current checkpoint again and the batch re-sent), so stale samples never reach the trainer.
 * Partial rollouts: the actor takes a weight push beside a generate call (``WeightHandoff``). The call polls its
@@ -108,10 +110,10 @@ class SGLangEngine(Engine):
         joined: bool = False,
         colocated: bool = False,
     ) -> None:
-        if cfg.weight_sync != "disk":
+        if cfg.weight_sync not in ("disk", "tensor", "auto"):
             raise NotImplementedError(
-                f"rollout.sglang.weight_sync={cfg.weight_sync!r}: only 'disk' (/update_weights_from_disk) is "
-                "implemented; tensor and NCCL pushes need the trainer's weights on the servers' GPUs"
+                f"rollout.sglang.weight_sync={cfg.weight_sync!r}: disk, tensor and auto are implemented; NCCL pushes "
+                "(distributed) are not"
             )
         self.cfg = cfg
         self.shape = shape
@@ -124,6 +126,8 @@ class SGLangEngine(Engine):
         self.cpus_per_engine = cpus_per_engine
         self.colocated = colocated  # launch mode: the server shares the trainers' GPUs (cluster.placement=colocated)
         self.launch = not cfg.urls
+        # auto: a launched server is on this node, an attached one may be anywhere
+        self.tensor_sync = cfg.weight_sync == "tensor" or (cfg.weight_sync == "auto" and self.launch)
         if not self.launch and index >= len(cfg.urls):
             raise ValueError(f"SGLang engine {index} has no server: rollout.sglang.urls lists {len(cfg.urls)}")
         url = f"http://{host_port(self.host, cfg.base_port + index)}" if self.launch else cfg.urls[index]
@@ -135,6 +139,7 @@ class SGLangEngine(Engine):
         self.log_path = self.workdir / "sglang_server.log"
         self.weight_version: int | None = None
         self._checkpoint: Path | None = None
+        self._state: dict[str, torch.Tensor] | None = None  # tensor pushes: the weights last pushed
         self._process: Any = None  # launch mode: the ServerProcess actor, once started
         self._gpus, self._gpu_args = 0, []  # launch mode: its actor's Ray GPUs, the flags placing it on the node's
         self.server_pid: int | None = None  # launch mode: the last server process started
@@ -165,22 +170,33 @@ class SGLangEngine(Engine):
         }
 
     def update_weights(self, hf_state: dict[str, torch.Tensor], version: int) -> None:
-        """Write ``hf_state`` as this version's checkpoint and make the server load it: at once, or, during a
-        generate call, when the call takes it (see ``generate``); returns once loaded."""
+        """Make the server load ``hf_state`` as ``version``, as a checkpoint or as tensors (``weight_sync``): at once,
+        or, during a generate call, when the call takes it (see ``generate``); returns once loaded."""
+        if self.tensor_sync:
+            state = {name: tensor.detach().contiguous() for name, tensor in hf_state.items()}
+            self._handoff.load(lambda: self._load(None, version, state), f"weights v{version}")
+            return
+        path = self._write_checkpoint(hf_state, version)
+
+        def apply() -> None:
+            previous = self._checkpoint
+            self._load(path, version)
+            self._remove_checkpoint(previous, path)
+
+        self._handoff.load(apply, f"weights v{version}")
+
+    def _write_checkpoint(self, hf_state: dict[str, torch.Tensor], version: int) -> Path:
         path = self.weights_dir / f"v{version}"
         partial = self.weights_dir / f"v{version}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         save_server_checkpoint(partial, hf_state, self.shape, self.eos_token_id)
         shutil.rmtree(path, ignore_errors=True)
         partial.rename(path)  # whole or not at all
+        return path
 
-        def apply() -> None:
-            previous = self._checkpoint
-            self._load(path, version)
-            if previous is not None and previous != path and previous.parent == self.weights_dir:
-                shutil.rmtree(previous, ignore_errors=True)
-
-        self._handoff.load(apply, f"weights v{version}")
+    def _remove_checkpoint(self, previous: Path | None, current: Path) -> None:
+        if previous is not None and previous != current and previous.parent == self.weights_dir:
+            shutil.rmtree(previous, ignore_errors=True)
 
     def update_weights_from_dir(self, path: str, version: int) -> None:
         """Load the HF checkpoint directory ``path`` (as the server sees the filesystem) as ``version``."""
@@ -287,11 +303,16 @@ class SGLangEngine(Engine):
 
     # --- the server ------------------------------------------------------------------------------------------
 
-    def _load(self, path: Path, version: int) -> None:
-        """Make the server hold ``path`` as ``version``. If that fails, the engine goes on naming the weights it held
-        before: its tokens are labelled with ``weight_version``, which must never name weights the server lacks."""
-        held = self._checkpoint, self.weight_version
-        self._checkpoint, self.weight_version = path, version
+    def _load(self, path: Path | None, version: int, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Make the server hold the checkpoint ``path``, or the tensors ``state``, as ``version``. If that fails, the
+        engine goes on naming the weights it held before: its tokens are labelled with ``weight_version``, which must
+        never name weights the server lacks."""
+        held = self._checkpoint, self._state, self.weight_version
+        if state is None:
+            self._checkpoint, self._state = path, None
+        else:
+            self._state = state
+        self.weight_version = version
         try:
             if self.launch and self._process is None:
                 self._start_server()
@@ -306,16 +327,23 @@ class SGLangEngine(Engine):
                     self._wait_healthy(f"after a failed weight update ({e.reason})")
                     self._push_weights()
         except BaseException:
-            self._checkpoint, self.weight_version = held
+            self._checkpoint, self._state, self.weight_version = held
             raise
 
     def _push_weights(self) -> None:
         try:
-            self.server.update_weights_from_disk(
-                str(self._checkpoint), str(self.weight_version), self.cfg.weight_update_timeout_s
-            )
+            if self._state is not None:
+                self.server.update_weights_from_tensor(list(self._state.items()), str(self.weight_version),
+                                                       max(1, self.cfg.gpus_per_engine),
+                                                       self.cfg.weight_update_timeout_s)
+            else:
+                self.server.update_weights_from_disk(
+                    str(self._checkpoint), str(self.weight_version), self.cfg.weight_update_timeout_s
+                )
         except RequestRejected as e:
-            raise RuntimeError(f"{self.name} at {self.server.url} could not load {self._checkpoint}: {e}") from e
+            source = "tensors" if self._state is not None else self._checkpoint
+            raise RuntimeError(f"{self.name} at {self.server.url} could not load weights v{self.weight_version} "
+                               f"from {source}: {e}") from e
 
     def _serving_error(self) -> str | None:
         """None when the server can take the batch again (given the current weights if it lost them); else why
@@ -351,6 +379,9 @@ class SGLangEngine(Engine):
 
     def _start_server(self) -> None:
         """(Re)start the launched server from the current checkpoint and wait until it is healthy."""
+        if self._state is not None:  # tensor pushes: a checkpoint of the weights last pushed, to start from
+            previous, self._checkpoint = self._checkpoint, self._write_checkpoint(self._state, self.weight_version)
+            self._remove_checkpoint(previous, self._checkpoint)
         if self._process is None:
             node = ray.get_runtime_context().get_node_id()
             self._gpus, self._gpu_args = server_gpus(self.cfg.gpus_per_engine, self.colocated, self.index,

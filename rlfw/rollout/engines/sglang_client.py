@@ -23,6 +23,11 @@ Request and response shapes follow SGLang 0.5.23 (``sglang/srt/entrypoints/http_
   ``{"success", "message", "num_paused_requests"}`` with status 200, or 400 when the load failed. It loads once no
   ``/generate`` is in flight (it takes ``model_update_lock`` as a writer, each ``/generate`` holds it as a reader),
   so tokens in flight are never sampled by two sets of weights.
+* ``POST /update_weights_from_tensor`` with ``{"serialized_named_tensors": [one per TP rank], "weight_version",
+  "flush_cache"}``, each entry base64 of ``ForkingPickler`` (``torch.multiprocessing``'s reductions) over a list of
+  ``(name, tensor)``: the tensors' storages travel by handle, so the server must be on this node; answers
+  ``{"success", "message"}`` (400 when the load failed). 0.5.23 takes it only between ``POST /begin_weight_update``
+  and ``POST /end_weight_update`` (``{}`` each, answering the same way); 0.5.17 has neither (404).
 * ``GET /health_generate`` is 200 once the server generated a token, 503 while it starts or is stuck (``/health``
   answers 200 without generating in 0.5.23, so it would call a wedged scheduler healthy).
 * ``GET /model_info`` gives ``{"model_path", "weight_version", "is_generation", ...}`` (``/get_model_info`` is its
@@ -31,11 +36,15 @@ Request and response shapes follow SGLang 0.5.23 (``sglang/srt/entrypoints/http_
 
 from __future__ import annotations
 
+import base64
+import io
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
 import requests
+import torch.multiprocessing
 
 from rlfw.rollout.types import SamplingParams
 
@@ -53,6 +62,10 @@ class ServerError(RuntimeError):
 
 class RequestRejected(RuntimeError):
     """The server refused the request itself (HTTP 4xx); sending it elsewhere would not help."""
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 def request_seeds(seed: int, count: int) -> list[int]:
@@ -166,6 +179,36 @@ class SGLangClient:
         if not isinstance(body, dict) or body.get("success") is not True:
             raise RequestRejected(f"{self.url}/update_weights_from_disk failed: {body}")
 
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], version: str, tp_size: int,
+                                   timeout_s: float) -> None:
+        """Load ``named_tensors`` (HF names) and tag them ``version``, without the disk: each storage goes by handle
+        (a CPU tensor by the name of its shared-memory file, a CUDA tensor by its IPC handle), the same list to
+        every tensor-parallel rank. The tensors must stay alive until this returns (the server has copied them)."""
+        # By file name, not by file descriptor: passing a descriptor needs a connection back to this process that
+        # only its own children may open, and the server is no child of ours.
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        buffer = io.BytesIO()
+        ForkingPickler(buffer).dump(named_tensors)
+        serialized = base64.b64encode(buffer.getvalue()).decode()
+        try:  # SGLang 0.5.23 loads tensors only inside a weight-update session; 0.5.17 has none (404)
+            self._checked("/begin_weight_update", timeout_s, {})
+            session = True
+        except RequestRejected as e:
+            if e.status_code != 404:
+                raise
+            session = False
+        self._checked("/update_weights_from_tensor", timeout_s,
+                      {"serialized_named_tensors": [serialized] * tp_size, "weight_version": version,
+                       "flush_cache": True})
+        if session:
+            self._checked("/end_weight_update", timeout_s, {})
+
+    def _checked(self, path: str, timeout_s: float, json: Any) -> None:
+        """POST ``json`` to ``path``, which answers ``{"success", "message"}``; RequestRejected unless a success."""
+        body = self._call("POST", path, timeout_s, json=json)
+        if not isinstance(body, dict) or body.get("success") is not True:
+            raise RequestRejected(f"{self.url}{path} failed: {body}")
+
     def model_info(self) -> dict[str, Any]:
         body = self._call("GET", "/model_info", self.control_timeout_s)
         if not isinstance(body, dict):
@@ -191,7 +234,7 @@ class SGLangClient:
         # 408 and 429 are a busy server or router (queue timeout, queue full), not a bad request.
         if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
             raise RequestRejected(f"{self.url}{path} rejected the request (HTTP {response.status_code}): "
-                                  f"{response.text[:500]}")
+                                  f"{response.text[:500]}", response.status_code)
         if response.status_code != 200:
             raise ServerError(self.url, f"{path} answered HTTP {response.status_code}: {response.text[:300]}")
         try:
