@@ -173,7 +173,7 @@ class SGLangEngine(Engine):
         """Make the server load ``hf_state`` as ``version``, as a checkpoint or as tensors (``weight_sync``): at once,
         or, during a generate call, when the call takes it (see ``generate``); returns once loaded."""
         if self.tensor_sync:
-            state = {name: tensor.detach().contiguous() for name, tensor in hf_state.items()}
+            state = SGLangClient.shared(hf_state)
             self._handoff.load(lambda: self._load(None, version, state), f"weights v{version}")
             return
         path = self._write_checkpoint(hf_state, version)

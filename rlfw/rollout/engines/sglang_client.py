@@ -179,14 +179,32 @@ class SGLangClient:
         if not isinstance(body, dict) or body.get("success") is not True:
             raise RequestRejected(f"{self.url}/update_weights_from_disk failed: {body}")
 
+    @staticmethod
+    def shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A copy of ``state`` in one shared-memory buffer (one file for the server to map, one copy here; moving
+        each tensor's storage there instead costs a file and a round trip to torch's shared-memory manager each)."""
+        # By file name, not by file descriptor: passing a descriptor needs a connection back to this process that
+        # only its own children may open, and the server is no child of ours.
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        offsets, total = {}, 0
+        for name, tensor in state.items():
+            offsets[name] = total
+            total += -(-tensor.numel() * tensor.element_size() // 64) * 64  # each view 64-byte aligned
+        buffer = torch.empty(total, dtype=torch.uint8).share_memory_()
+        views = {}
+        for name, tensor in state.items():
+            size = tensor.numel() * tensor.element_size()
+            view = buffer[offsets[name]:offsets[name] + size].view(tensor.dtype).view(tensor.shape)
+            views[name] = view.copy_(tensor)
+        return views
+
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], version: str, tp_size: int,
                                    timeout_s: float) -> None:
         """Load ``named_tensors`` (HF names) and tag them ``version``, without the disk: each storage goes by handle
         (a CPU tensor by the name of its shared-memory file, a CUDA tensor by its IPC handle), the same list to
-        every tensor-parallel rank. The tensors must stay alive until this returns (the server has copied them)."""
-        # By file name, not by file descriptor: passing a descriptor needs a connection back to this process that
-        # only its own children may open, and the server is no child of ours.
-        torch.multiprocessing.set_sharing_strategy("file_system")
+        every tensor-parallel rank (``shared`` makes CPU ones cheap to send). The tensors must stay alive until this
+        returns (the server has copied them)."""
+        torch.multiprocessing.set_sharing_strategy("file_system")  # see ``shared``
         buffer = io.BytesIO()
         ForkingPickler(buffer).dump(named_tensors)
         serialized = base64.b64encode(buffer.getvalue()).decode()
