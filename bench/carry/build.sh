@@ -32,5 +32,5 @@ rm -rf "$TMP/ray/ray/jars"
 find "$TMP/ray" \( -name '*.map' -o -name '__pycache__' \) -prune -exec rm -rf {} +
 sed -i '1s|^#!.*python.*$|#!/usr/bin/env python3|' "$TMP/ray/bin/"*
 XZ_OPT=-9 tar -cJf "$OUT/ray.tar.xz" -C "$TMP/ray" ray ray-2.60.0.dist-info bin
-cp bench/carry/install.sh "$OUT/install.sh"
+cp bench/carry/install.sh bench/carry/check_carry.py "$OUT/"
 du -sh "$OUT"

@@ -45,5 +45,5 @@ test -f "$site/sgl_kernel/sm90/common_ops.abi3.so" && test -d "$site"/sglang_ker
 
 rm -rf "$OUT" && mkdir -p "$OUT"
 tar -cf - -C "$site" . | xz -T2 -6 > "$OUT/sglang-site.tar.xz"
-cp bench/carry/install_sglang.sh "$OUT/"
+cp bench/carry/install_sglang.sh bench/carry/check_carry.py "$OUT/"
 du -sh "$OUT" "$site"

@@ -57,32 +57,12 @@ else
 fi
 
 # check: every carried package imports, and the carried packages' requirements are met (torch etc. from this python)
-PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'EOF'
-import importlib, importlib.metadata as md, sys
-from packaging.requirements import Requirement
-carried = ["ray", "torchft", "megatron-core", "hydra-core", "omegaconf", "antlr4-python3-runtime", "jsonschema",
-           "referencing", "rpds-py", "jsonschema-specifications", "opentelemetry-api", "opentelemetry-sdk",
-           "opentelemetry-exporter-otlp-proto-http", "googleapis-common-protos", "einops"]
-bad = []
-for name in carried:
-    for r in md.requires(name) or []:
-        req = Requirement(r)
-        if req.marker and not req.marker.evaluate({"extra": ""}):
-            continue
-        try:
-            have = md.version(req.name)
-        except md.PackageNotFoundError:
-            bad.append(f"{name} needs {req}: not installed"); continue
-        if req.specifier and not req.specifier.contains(have, prereleases=True):
-            bad.append(f"{name} needs {req}: have {have}")
-for mod in ["ray", "torchft", "megatron.core", "hydra", "omegaconf", "jsonschema",
-            "opentelemetry.exporter.otlp.proto.http._log_exporter", "einops"]:
-    try:
-        importlib.import_module(mod)
-    except Exception as e:
-        bad.append(f"import {mod}: {type(e).__name__}: {e}")
-print("\n".join("install.sh: WARNING " + b for b in bad) or "install.sh: all carried packages import; requirements met")
-EOF
+PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$HERE/check_carry.py" install.sh \
+  --dists ray,torchft,megatron-core,hydra-core,omegaconf,antlr4-python3-runtime,jsonschema,referencing,rpds-py,\
+jsonschema-specifications,opentelemetry-api,opentelemetry-sdk,opentelemetry-exporter-otlp-proto-http,\
+googleapis-common-protos,einops \
+  --modules ray,torchft,megatron.core,hydra,omegaconf,jsonschema,opentelemetry.exporter.otlp.proto.http._log_exporter,\
+einops
 
 echo
 echo "Done. Now run:"
