@@ -75,7 +75,7 @@ def test_async_survives_a_cell_the_writer_and_the_engine_dying(tmp_path):
 
 def test_async_resume_generates_the_later_rollouts_again_from_the_checkpoint(run):
     """A checkpoint does not hold the rollouts asked for ahead: a resumed async run generates them again from the
-    checkpoint's weights, so its first step trains at staleness 0 and the next ones at 1, and every step of the run
+    checkpoint's weights, so its first step trains at staleness 0 and the next ones at most 1, and every step of the run
     is trained once, on its own samples. The samples are multi-turn episodes with a tool (task=calc): one sample per
     episode, the staleness bound on its oldest policy token."""
     common = ["dp=cells", "loop=async", "loop.max_staleness=1", "checkpoint.interval=2", "ft.verify_weights_every=1",
@@ -84,7 +84,12 @@ def test_async_resume_generates_the_later_rollouts_again_from_the_checkpoint(run
     run_rlfw(run_dir, *common, "num_steps=7", "resume=auto")
     check_every_sample_once(run_dir, steps=7)
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["loop/staleness_max"] for r in rows] == [0, 1, 1, 1, 0, 1, 1]
+    staleness = [r["loop/staleness_max"] for r in rows]
+    # Each job's first step trains on a rollout of the weights it started from (the resumed one's: the checkpoint's,
+    # generated again); later ones at most one version behind. (Whether a later rollout ran ahead depends on how
+    # generation and training interleave: a push that lands before a generation starts makes its step fresh.)
+    assert staleness[0] == staleness[4] == 0 and all(s <= 1 for s in staleness), staleness
+    assert max(staleness) == 1  # generation ran ahead of training
     assert all(1 <= r["env/turns_mean"] <= r["env/turns_max"] <= 3 for r in rows)
     # The trainer's tokens are the policy's only: an episode's observations past its prompt are not trained.
     for r in rows:
