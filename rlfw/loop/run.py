@@ -52,7 +52,7 @@ class RLLoop:
         finished first on its saved batch."""
         metrics: Dict[str, float] = {}
         try:
-            self.queue.push(self.policy.group.export_weights(), self.version, wait=True)
+            self.queue.push(self.policy.group.export_weights, self.version, wait=True)
             self.loggers.table("algo", ["option", "value"], algo_options(self.cfg.algo), self.step)
             while self.next_step < self.cfg.num_steps:
                 self.step, self.next_step = self.next_step, self.next_step + 1
@@ -97,7 +97,7 @@ class RLLoop:
         t3 = time.perf_counter()
         current.complete = True  # every minibatch is committed: a save from here on is between steps
         self.ledger.write(record)
-        metrics.update(self.queue.push(self.policy.group.export_weights(), self.version + 1))
+        metrics.update(self.queue.push(self.policy.group.export_weights, self.version + 1))
         for role in self.roles:
             metrics.update(role_metrics(role, results[role.name], self.cfg.algo.on_nonfinite, self.step))
             log_events(self.loggers, self.meter, self.step, role.group.drain_events(), role)
@@ -141,7 +141,7 @@ class RLLoop:
                                                      self.checkpointer, self.step, error)
         self.ledger.reopen()
         self.version = self.next_step
-        self.queue.push(self.policy.group.export_weights(), self.version, wait=True)  # before any rollout asks
+        self.queue.push(self.policy.group.export_weights, self.version, wait=True)  # before any rollout asks
         self.current = None
         return resumed
 

@@ -24,12 +24,17 @@ per step, in either mode.
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError
+from ray.exceptions import GetTimeoutError, ObjectLostError
+
+log = logging.getLogger(__name__)
+# How many times a push whose weights were lost with the writer's node is exported again from the next writer.
+MAX_REEXPORTS = 3
 
 
 class StalenessError(RuntimeError):
@@ -72,18 +77,20 @@ class RolloutQueue:
         self._calls: Dict[int, ray.ObjectRef] = {}
         self._done: Dict[int, Dict[str, Any]] = {}  # answers fetched while counting what waits
         self._clock = (time.perf_counter(), 0.0)  # (wall, engine busy seconds) at the last utilisation
-        self._push: Optional[Tuple[ray.ObjectRef, int]] = None  # the push under way: (its call, its version)
+        # the push under way: (its call, its version, the export that made its weights, times exported again)
+        self._push: Optional[Tuple[ray.ObjectRef, int, Callable[[], ray.ObjectRef], int]] = None
         self._pushed: Optional[int] = None  # the version of the last push sent
         self._landed: Optional[float] = None  # the seconds of the last push that landed, not reported yet
 
-    def push(self, weights: ray.ObjectRef, version: int, wait: bool = False) -> Dict[str, float]:
-        """Send the engines the weights of ``version`` (an object ref), after the push before it has landed.
-        ``wait``: return only once this one has landed too (the first weights; a restore to older ones, which no
-        rollout may be asked for before). Returns ``time/weight_push_wait`` (the seconds the driver waited here)
-        and ``time/weight_sync`` (the last landed push's own seconds in the manager), when there was one."""
+    def push(self, export: Callable[[], ray.ObjectRef], version: int, wait: bool = False) -> Dict[str, float]:
+        """Send the engines the weights of ``version`` (``export()``: an object ref to the writer's copy), after the
+        push before it has landed. ``wait``: return only once this one has landed too (the first weights; a restore
+        to older ones, which no rollout may be asked for before). Returns ``time/weight_push_wait`` (the seconds the
+        driver waited here) and ``time/weight_sync`` (the last landed push's own seconds in the manager), when there
+        was one."""
         t0 = time.perf_counter()
-        self.settle()
-        self._push, self._pushed = (self.manager.update_weights.remote(weights, version), version), version
+        self.settle(superseded=True)
+        self._send(export, version)
         if wait:
             self.settle()
         metrics = {"time/weight_push_wait": time.perf_counter() - t0}
@@ -91,17 +98,35 @@ class RolloutQueue:
             metrics["time/weight_sync"], self._landed = self._landed, None
         return metrics
 
-    def settle(self) -> None:
+    def _send(self, export: Callable[[], ray.ObjectRef], version: int, tries: int = 0) -> None:
+        self._push = (self.manager.update_weights.remote(export(), version), version, export, tries)
+        self._pushed = version
+
+    def settle(self, superseded: bool = False) -> None:
         """Wait for the push under way, if any, within the deadline, and raise its error; its seconds in the
-        manager are reported by the next ``push``."""
-        if self._push is None:
-            return
-        (call, version), self._push = self._push, None
-        try:
-            self._landed = ray.get(call, timeout=self.timeout_s)
-        except GetTimeoutError:
-            raise TimeoutError(f"the push of weights v{version} to the engines did not finish within "
-                               f"rollout.step_timeout_s={self.timeout_s:g}") from None
+        manager are reported by the next ``push``.
+
+        The writer's copy of the weights lives in its node's object store until the manager has fetched it: a
+        node lost in between loses the push (``ObjectLostError``). The trainers still hold those weights (no step
+        trains while a rollout waits for them), so they are exported again, from the writer the train group has
+        now, and sent again; ``superseded``: a newer version is about to be sent, which serves instead."""
+        while self._push is not None:
+            (call, version, export, tries), self._push = self._push, None
+            try:
+                self._landed = ray.get(call, timeout=self.timeout_s)
+            except GetTimeoutError:
+                raise TimeoutError(f"the push of weights v{version} to the engines did not finish within "
+                                   f"rollout.step_timeout_s={self.timeout_s:g}") from None
+            except ObjectLostError as error:
+                if superseded:
+                    log.warning("weights v%d were lost before the engines took them (%s); v%d follows", version,
+                                type(error).__name__, version + 1)
+                    return
+                if tries >= MAX_REEXPORTS:
+                    raise
+                log.warning("weights v%d were lost before the engines took them (%s): exported again and re-sent",
+                            version, type(error).__name__)
+                self._send(export, version, tries + 1)
 
     def fill(self, step: int, version: int) -> None:
         """Ask for the rollouts of steps ``step`` .. ``step + max_staleness`` not asked for yet, from weights of

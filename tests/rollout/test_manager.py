@@ -161,7 +161,7 @@ def test_a_rollout_waits_for_the_push_of_its_version(ray_local, tmp_path):
 
 class PoisonedWeights:
     """Weights that cannot be unpacked where they arrive: the push fails in the manager before it reaches the
-    engine pool (as when the weights are lost with the writer's node)."""
+    engine pool."""
 
     def __reduce__(self):
         return int, ("poisoned weights",)
@@ -176,7 +176,7 @@ def test_a_push_that_fails_before_the_engines_is_the_rollouts_error_at_once(ray_
     manager = start_manager(tmp_path, version=0)
     queue = RolloutQueue(manager, max_staleness=0, num_steps=4, timeout_s=600)
     try:
-        queue.push(PoisonedWeights(), 1)  # returns at once
+        queue.push(PoisonedWeights, 1)  # returns at once
         queue.fill(1, 1)
         with pytest.raises(Exception, match="poisoned weights") as failure:
             queue.take(1)
