@@ -61,6 +61,12 @@ def allreduce(pg, t, op):
     return t
 
 
+def by_value(tensors):
+    """Tensors as (dtype, shape, bytes), which a pipe carries by value: a tensor goes as a file descriptor that the
+    receiver fetches from the sender, which may have exited by then (``ConnectionResetError``)."""
+    return [(t.dtype, tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) for t in tensors]
+
+
 def member(rank, world, port, root, quorum, plan, conn):
     """One member: configure like torchft's Manager does, then follow ``plan``, replying over ``conn``."""
     try:
@@ -70,17 +76,17 @@ def member(rank, world, port, root, quorum, plan, conn):
             device = plan.get("device", "cpu")
             results = [allreduce(pg, t.to(device), op).cpu() for t, op in contributions(rank)]
             leftovers = sorted(f for f in os.listdir(root) if f.startswith("rlfw-shm"))
-            conn.send(("ok", results, pg.shared_allreduces, pg.fallback_reason, leftovers))
+            conn.send(("ok", by_value(results), pg.shared_allreduces, pg.fallback_reason, leftovers))
         elif plan["kind"] == "sizes":
             said = []
             handler = logging.Handler()
             handler.emit = lambda record: said.append(record.getMessage())
             logging.getLogger("rlfw.ft.host_shared").addHandler(handler)
             results = [allreduce(pg, torch.full((n,), float(rank + 1)), ReduceOp.SUM) for n in plan["sizes"]]
-            conn.send(("ok", results, pg.shared_allreduces, pg.fallback_reason, said))
+            conn.send(("ok", by_value(results), pg.shared_allreduces, pg.fallback_reason, said))
         elif plan["kind"] == "ramp":  # one tensor larger than the device path's chunk
             t = torch.arange(plan["numel"], dtype=torch.float32, device=plan["device"]) + rank
-            conn.send(("ok", [allreduce(pg, t, ReduceOp.SUM).cpu()], pg.shared_allreduces, pg.fallback_reason, None))
+            conn.send(("ok", by_value([allreduce(pg, t, ReduceOp.SUM).cpu()]), pg.shared_allreduces, pg.fallback_reason, None))
         elif plan["kind"] == "one_then_wait":  # one all-reduce, then the test stops or kills this member
             allreduce(pg, torch.ones(1000), ReduceOp.SUM)
             conn.send(("ready",))
@@ -131,7 +137,12 @@ class Members:
     def reply(self, rank, timeout_s=REPLY_TIMEOUT_S):
         if not self.conns[rank].poll(timeout_s):
             raise AssertionError(f"member {rank} sent nothing in {timeout_s} s")
-        return self.conns[rank].recv()
+        reply = self.conns[rank].recv()
+        if reply[0] == "ok" and len(reply) > 1 and isinstance(reply[1], list):
+            tensors = [torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape) if data else
+                       torch.empty(shape, dtype=dtype) for dtype, shape, data in reply[1]]
+            reply = (reply[0], tensors, *reply[2:])
+        return reply
 
     def close(self):
         for p in self.procs:
