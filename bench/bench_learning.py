@@ -2,7 +2,10 @@
 10 steps), the final reward, wall time, and the steps that trained nothing (|loss| < 1e-6: every group's samples
 scored alike, so no gradient).
 
-    .venv/bin/python bench/bench_learning.py [--steps 200]
+    .venv/bin/python bench/bench_learning.py [--steps 200] [--name learning] [OVERRIDE ...]
+
+``--name`` names the run's directory and summary (``outputs/bench/<name>``, ``<name>.json``), so that several runs
+(other settings, other devices) can go side by side.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from runner import OUT, run_training, table
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--name", default="learning")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    run = run_training("learning", [f"num_steps={args.steps}", "logger=jsonl", *args.overrides])
+    run = run_training(args.name, [f"num_steps={args.steps}", "logger=jsonl", *args.overrides])
     rows = run["rows"]
     window = 10
     curve = []
@@ -36,7 +40,7 @@ def main() -> None:
                "elapsed_at_0.8_s": reached["time/elapsed"] if reached else None,
                "steps_without_gradient": sum(abs(r["loss"]) < 1e-6 for r in rows), "wall_s": run["wall_s"]}
     print(table(list(summary), [list(summary.values())]))
-    (OUT / "learning.json").write_text(json.dumps(summary, indent=1))
+    (OUT / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
