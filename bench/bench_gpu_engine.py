@@ -24,7 +24,7 @@ full forward of prompt + response (|diff| median and max).
 
 Weight push rows (the HF state dict of the shape in bf16 into the engine): from host memory (what the Ray object
 store hands an engine today), from the same GPU in the same process, and from another process on the same GPU
-through one CUDA IPC handle (``rlfw.rollout.engines.device_weights``): the time until the engine holds them.
+through one CUDA IPC handle (``rlfw.model.device_weights``): the time until the engine holds them.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def bench_shape(name: str, args, rows: list[dict]) -> None:
 
 def _writer(state: dict, queue, done) -> None:
     """Another process on the same GPU: its weights go out as one CUDA IPC handle."""
-    from rlfw.rollout.engines.device_weights import pack
+    from rlfw.model.device_weights import pack
 
     torch.cuda.set_device(0)
     on_gpu = {k: v.to("cuda") for k, v in state.items()}
@@ -193,8 +193,6 @@ def _writer(state: dict, queue, done) -> None:
 
 
 def bench_push(name: str, engine: LocalEngine, weights: dict, rows: list[dict]) -> None:
-    from rlfw.rollout.engines.device_weights import PackedWeights
-
     host = {k: v.to(torch.bfloat16).cpu() for k, v in weights.items()}
     gib = sum(v.numel() * v.element_size() for v in host.values()) / 2**30
     for label, state in (("host memory -> GPU", host),
@@ -216,7 +214,7 @@ def bench_push(name: str, engine: LocalEngine, weights: dict, rows: list[dict]) 
     for version in range(3):
         _, pack_s, handle = queue.get(timeout=300)
         started = time.perf_counter()
-        engine.update_weights(PackedWeights.open(handle).tensors(), 20 + version)
+        engine.update_weights(handle.open().tensors(), 20 + version)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
         packing.append(pack_s)

@@ -53,6 +53,9 @@ ROWS = {
     # one cell and the engine each with half the GPU in Ray's books, both resident
     "separate_sync": ["dp=cells", "dp.num_cells=1", "cluster.gpus_per_worker=0.5", "rollout.gpus_per_engine=0.5",
                       "loop=sync"],
+    # the same with the weights through host memory and Ray (the other rows share them on the GPU: auto)
+    "separate_sync_host": ["dp=cells", "dp.num_cells=1", "cluster.gpus_per_worker=0.5", "rollout.gpus_per_engine=0.5",
+                           "loop=sync", "rollout.weight_transport=host"],
     "separate_async": ["dp=cells", "dp.num_cells=1", "cluster.gpus_per_worker=0.5", "rollout.gpus_per_engine=0.5",
                        "loop=async", "loop.max_staleness=1"],
 }

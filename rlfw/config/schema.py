@@ -116,6 +116,11 @@ class RolloutConfig:
     max_batch: int = 0
     cuda_graphs: bool = True  # local, CUDA: replay the decode step as CUDA graphs (off: eager, for comparison)
     gpus_per_engine: float = 1.0  # local, CUDA, cluster.placement=separate: Ray GPUs of each engine
+    # How the writer's weights reach local engines. host: a CPU copy through Ray (any node; an engine restarted
+    # after its writer died loads it). device: one CUDA IPC handle to a packed copy on the writer's GPU, copied
+    # device to device (engines on the writer's node; GPUs that reach each other). auto: device for the local
+    # engine on CUDA in a local Ray (one node), else host. rlfw.model.device_weights
+    weight_transport: str = "auto"
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # rollout=sglang only
     tools: ToolsConfig = field(default_factory=ToolsConfig)  # environments with tools (task=calc, gsm8k_tools)
 

@@ -89,6 +89,14 @@ def validate(cfg: DictConfig | RLConfig, num_devices: int | None = None) -> None
     _choice("rollout.backend", cfg.rollout.backend, {"local", "vllm", "sglang"})
     if cfg.rollout.backend == "vllm":
         _check_vllm(cfg, num_devices)
+    _choice("rollout.weight_transport", cfg.rollout.weight_transport, {"auto", "host", "device"})
+    if cfg.rollout.weight_transport == "device" and (cfg.rollout.backend != "local" or cfg.cluster.device == "cpu"
+                                                     or (cfg.cluster.device == "auto" and num_devices == 0)):
+        raise ConfigError(
+            "rollout.weight_transport=device hands the weights over in GPU memory, to the local engine on CUDA; "
+            f"this run has rollout.backend={cfg.rollout.backend} and cluster.device={cfg.cluster.device}"
+            f"{'' if num_devices is None else f' ({num_devices} GPUs visible)'}: use host or auto"
+        )
     _positive("rollout.num_prompts", cfg.rollout.num_prompts)
     _positive("rollout.n_samples_per_prompt", cfg.rollout.n_samples_per_prompt)
     _positive("rollout.temperature", cfg.rollout.temperature, allow_zero=True)

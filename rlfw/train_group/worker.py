@@ -44,6 +44,16 @@ def fault_target(cfg, rank: int, world_size: int, cell: Optional[int]) -> Tuple[
     return (rank // tp) % replicas, rank % tp + tp * (rank // (tp * replicas)), world_size // replicas
 
 
+def weights_on_device(cfg, device: torch.device) -> bool:
+    """``rollout.weight_transport`` for this run: whether the writer shares its weights in GPU memory (a CUDA IPC
+    handle the engines open) instead of sending a host copy. ``auto``: on CUDA, to the local engine, in a local Ray
+    (every engine on this node)."""
+    transport = cfg.rollout.weight_transport
+    if transport == "auto":
+        return device.type == "cuda" and cfg.rollout.backend == "local" and cfg.cluster.address is None
+    return transport == "device"
+
+
 def resolve_device(cfg) -> torch.device:
     if cfg.cluster.device == "cuda" or (cfg.cluster.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
@@ -91,6 +101,7 @@ class TrainerWorker:
         self.trainer = None
         self.sync = None
         self.offload = None  # cluster.placement=colocated: the optimizer state and grads off the GPU between calls
+        self.shared_weights = None  # rollout.weight_transport=device: the last export's packed buffer, kept for the engines
 
     def serve_store(self) -> Tuple[str, int]:
         """Rank 0 owns the world's store; the others connect to the address it returns (its node's: a classic
@@ -200,16 +211,29 @@ class TrainerWorker:
         return records
 
     @ray.method(num_returns=2)
-    def export_weights(self) -> Tuple[Dict[str, torch.Tensor], bool]:
+    def export_weights(self) -> Tuple[Any, bool]:
         """Full weights in Hugging Face names, for the rollout engines (every TP rank of the replica calls it), and
         True. Two returns so that the driver waits on the small second one alone (its error, if the export
         failed) and passes the first on as a reference, never deserialising the weights itself (gigabytes a step
         for a real model). The rollout manager receives them and keeps its own copy, for the engines it loads
-        and for those it restarts after the writer's node is gone."""
+        and for those it restarts after the writer's node is gone.
+
+        With ``rollout.weight_transport=device`` (``weights_on_device``) the first return is a ``SharedWeights``
+        instead: the CUDA IPC handle of one packed copy on this GPU, which this rank keeps until its next export
+        (by then every engine loaded it: the manager pushes one version at a time, and a step waits for its own).
+        Only rank 0 packs; the other TP ranks return None (the driver passes on rank 0's answer)."""
         from rlfw.model.hf_convert import megatron_to_hf
 
         self.faults.maybe_fault("weight_sync", self.cursor["rl_step"])  # the step just committed
         full = self.trainer.full_weights()
+        if weights_on_device(self.cfg, self.device):
+            from rlfw.model.device_weights import pack
+
+            if self.rank != 0:
+                return None, True
+            self.shared_weights = None  # the last version's buffer goes before the next is allocated
+            self.shared_weights = pack(megatron_to_hf({k: v.detach() for k, v in full.items()}, self.shape))
+            return self.shared_weights.share(), True
         return megatron_to_hf({k: v.detach().cpu().clone() for k, v in full.items()}, self.shape), True
 
     @ray.method(concurrency_group=STATE_GROUP)

@@ -35,3 +35,29 @@ def test_vllm_config_is_valid_on_cpu():
 def test_bad_rollout_values_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("+", r"\+")):
         validate(load(*overrides))
+
+
+@pytest.mark.parametrize("overrides,num_devices,message", [
+    (["rollout.weight_transport=ipc"], None, "rollout.weight_transport='ipc'"),
+    (["rollout.weight_transport=device", "cluster.device=cpu"], None, "cluster.device=cpu"),
+    (["rollout.weight_transport=device", "rollout=vllm", "cluster.device=cuda", "cluster.gpus_per_worker=0.5"], 1,
+     "rollout.backend=vllm"),
+])
+def test_weights_in_gpu_memory_need_the_local_engine_on_cuda(overrides, num_devices, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load(*overrides), num_devices=num_devices)
+    validate(load("rollout.weight_transport=device", "cluster.device=cuda", "cluster.placement=colocated",
+                  "cluster.gpus_per_worker=0.5"), num_devices=1)
+
+
+def test_auto_shares_weights_in_gpu_memory_only_with_the_local_engine_on_cuda_in_a_local_ray():
+    import torch
+
+    from rlfw.train_group.worker import weights_on_device
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert weights_on_device(load(), cuda) and not weights_on_device(load(), cpu)
+    assert not weights_on_device(load("rollout=sglang"), cuda)
+    assert not weights_on_device(load("cluster.address=10.0.0.1:6379"), cuda)  # engines may sit on other nodes
+    assert not weights_on_device(load("rollout.weight_transport=host"), cuda)
+    assert weights_on_device(load("rollout.weight_transport=device"), cuda)

@@ -23,6 +23,7 @@ from torch import Tensor
 from rlfw.model.hf_convert import hf_config
 from rlfw.model.shape import ModelShape
 from rlfw.rollout.engines.base import Engine
+from rlfw.model.device_weights import SharedWeights
 from rlfw.rollout.engines.handoff import WeightHandoff
 from rlfw.rollout.types import Generation, SamplingParams
 
@@ -92,15 +93,29 @@ class LocalEngine(Engine):
                 "cuda_graphs": rollout.cuda_graphs, "release_cache": cfg.cluster.placement == "colocated",
                 "gpu_index": index}
 
-    def update_weights(self, hf_state: dict[str, Tensor], version: int) -> None:
+    def update_weights(self, hf_state: dict[str, Tensor] | SharedWeights, version: int) -> None:
         """Load a full HF state dict (see ``rlfw.model.hf_convert.megatron_to_hf``) into the model's own tensors
-        (cast to its dtype; CUDA graphs stay valid). During a
+        (cast to its dtype; CUDA graphs stay valid), or the writer's buffer on this GPU that ``hf_state`` shares
+        (``rollout.weight_transport=device``: a device-to-device copy). During a
         ``generate`` call the call under way loads them before its next decode step, and this returns once it has
         (a partial rollout: see ``generate``)."""
         self._handoff.load(lambda: self._load(hf_state, version), f"weights v{version}")
 
-    def _load(self, hf_state: dict[str, Tensor], version: int) -> None:
-        self.model.load_state_dict(hf_state, strict=True)
+    def _load(self, hf_state: dict[str, Tensor] | SharedWeights, version: int) -> None:
+        if isinstance(hf_state, SharedWeights):
+            try:
+                packed = hf_state.open()
+            except (RuntimeError, OSError) as e:  # CUDA's error, or the sharer's reference-count file gone
+                raise RuntimeError(
+                    f"weights v{version} were shared from the writer's GPU memory (rollout.weight_transport=device) "
+                    f"and this engine cannot open them: {e}. The writer's process may be gone (an engine restarted "
+                    "after its writer died), or it sits on another GPU this one cannot reach; "
+                    "rollout.weight_transport=host sends a host copy instead") from e
+            self.model.load_state_dict(packed.tensors(), strict=True)
+            torch.cuda.current_stream(self.device).synchronize()  # copied before the mapping closes
+            del packed
+        else:
+            self.model.load_state_dict(hf_state, strict=True)
         self.weight_version = version
 
     @torch.inference_mode()

@@ -2,7 +2,7 @@
 
 import torch
 
-from rlfw.rollout.engines.device_weights import ALIGN, pack
+from rlfw.model.device_weights import ALIGN, pack
 
 
 def test_packed_weights_are_views_of_one_buffer_that_read_back_exactly():

@@ -7,6 +7,12 @@ a CUDA tensor) with the layout. An engine process on the same GPU opens the hand
 and loads them into its own tensors (``LocalEngine.update_weights``: a device-to-device copy). One handle instead of
 one per tensor: opening a handle costs the receiver a driver call, and a model has hundreds of tensors. The writer
 keeps the buffer alive until every engine has loaded it (the next ``pack`` replaces it).
+
+In the loop (``rollout.weight_transport=device``): the writer's leader packs after each committed step and returns
+a ``SharedWeights`` (the handle and the layout, a few kilobytes) where the host path returns the weights
+themselves, so the rollout manager and Ray pass on a handle, and each engine copies the weights device to device.
+The handle is valid while the writer's process lives: an engine restarted after its writer died cannot open it, and
+says so (``rollout.weight_transport=host`` keeps a host copy that such an engine can load).
 """
 
 from __future__ import annotations
@@ -33,15 +39,22 @@ class PackedWeights:
             out[name] = self.buffer[offset:offset + nbytes].view(dtype).view(shape)
         return out
 
-    def share(self) -> tuple:
+    def share(self) -> "SharedWeights":
         """What another process on the same GPU needs to open the buffer (picklable: a Ray or queue message)."""
-        return reduce_tensor(self.buffer), self.layout
+        return SharedWeights(reduce_tensor(self.buffer), self.layout)
 
-    @classmethod
-    def open(cls, handle: tuple) -> "PackedWeights":
-        """The buffer shared by another process's ``share``; valid while that process keeps it."""
-        (rebuild, args), layout = handle
-        return cls(rebuild(*args), layout)
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """A packed buffer as another process on the same GPU opens it: its CUDA IPC handle and its layout."""
+
+    handle: tuple  # (rebuild function, its arguments): torch.multiprocessing.reductions.reduce_tensor's answer
+    layout: list[tuple[str, torch.dtype, tuple[int, ...], int]]
+
+    def open(self) -> PackedWeights:
+        """The sharer's buffer, mapped into this process (no copy); valid while the sharer keeps it."""
+        rebuild, args = self.handle
+        return PackedWeights(rebuild(*args), self.layout)
 
 
 def pack(state: dict[str, Tensor]) -> PackedWeights:
