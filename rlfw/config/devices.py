@@ -14,6 +14,7 @@ leave the GPU while the engine generates and the engine's cache is freed while t
 puts engines on GPUs of their own. A colocated SGLang server keeps its memory through training: at its start it
 takes its ``--mem-fraction-static`` share of the memory then free (beside the trainers' resident state) for its
 weights and cache, so that share must hold its weights, and the rest of the GPU the trainers' training phase.
+With the weights handed over in GPU memory (``weights_on_device``) the writer's GPU also holds a packed bf16 copy.
 Activations are not counted: the check refuses placements that cannot fit, it does not promise that one that passes
 will.
 """
@@ -130,6 +131,16 @@ def sglang_share(cfg) -> float | None:
     return share
 
 
+def weights_on_device(cfg, device_type: str) -> bool:
+    """``rollout.weight_transport`` for this run: whether the writer shares its weights in GPU memory (a CUDA IPC
+    handle the engines open) instead of sending a host copy. ``auto``: on CUDA, to the local engine, in a local Ray
+    (every engine on this node)."""
+    transport = cfg.rollout.weight_transport
+    if transport == "auto":
+        return device_type == "cuda" and cfg.rollout.backend == "local" and cfg.cluster.address is None
+    return transport == "device"
+
+
 def gpu_budget(cfg, shape: ModelShape, samples_per_engine: int, gpu_bytes: int) -> GpuBudget:
     """The most bytes any one GPU of ``gpu_bytes`` holds in each phase under ``cluster.placement`` (see the module
     docstring)."""
@@ -137,6 +148,7 @@ def gpu_budget(cfg, shape: ModelShape, samples_per_engine: int, gpu_bytes: int) 
     max_batch = cfg.rollout.max_batch or samples_per_engine
     kv_cache = kv_bytes_per_token(shape) * shape.max_seq_len * max_batch
     trainers = trainer_params(cfg, shape)
+    packed = engine_weights if weights_on_device(cfg, "cuda") else 0  # the writer's copy for the engines
     share = sglang_share(cfg)
     if share is not None:
         resident = trainers * RESIDENT_TRAIN_BYTES_PER_PARAM
@@ -150,12 +162,12 @@ def gpu_budget(cfg, shape: ModelShape, samples_per_engine: int, gpu_bytes: int) 
             )
         return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM + server, generate=resident + server)
     if cfg.cluster.placement == "colocated":
-        return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM + engine_weights,
-                         generate=trainers * RESIDENT_TRAIN_BYTES_PER_PARAM + engine_weights + kv_cache)
+        return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM + engine_weights + packed,
+                         generate=trainers * RESIDENT_TRAIN_BYTES_PER_PARAM + engine_weights + kv_cache + packed)
     if cfg.cluster.gpus_per_worker < 1 or cfg.rollout.gpus_per_engine < 1:  # Ray may put both on one GPU
-        both = trainers * TRAIN_BYTES_PER_PARAM + engine_weights + kv_cache
+        both = trainers * TRAIN_BYTES_PER_PARAM + engine_weights + kv_cache + packed
         return GpuBudget(train=both, generate=both)
-    return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM, generate=engine_weights + kv_cache)
+    return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM + packed, generate=engine_weights + kv_cache)
 
 
 def check_gpu_memory(cfg, shape: ModelShape, gpu_bytes: int, samples_per_engine: int) -> GpuBudget:

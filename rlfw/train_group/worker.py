@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from rlfw.cluster.address import node_address, pin_gloo_interface
 from rlfw.cluster.store import connect_store, serve_store
+from rlfw.config.devices import weights_on_device
 from rlfw.data.batch import RolloutBatch
 from rlfw.model.shape import ModelShape
 from rlfw.train_group.minibatches import train_minibatches
@@ -42,16 +43,6 @@ def fault_target(cfg, rank: int, world_size: int, cell: Optional[int]) -> Tuple[
         return cell, rank, world_size
     tp, replicas = cfg.dp.tp, cfg.dp.size
     return (rank // tp) % replicas, rank % tp + tp * (rank // (tp * replicas)), world_size // replicas
-
-
-def weights_on_device(cfg, device: torch.device) -> bool:
-    """``rollout.weight_transport`` for this run: whether the writer shares its weights in GPU memory (a CUDA IPC
-    handle the engines open) instead of sending a host copy. ``auto``: on CUDA, to the local engine, in a local Ray
-    (every engine on this node)."""
-    transport = cfg.rollout.weight_transport
-    if transport == "auto":
-        return device.type == "cuda" and cfg.rollout.backend == "local" and cfg.cluster.address is None
-    return transport == "device"
 
 
 def resolve_device(cfg) -> torch.device:
@@ -226,7 +217,7 @@ class TrainerWorker:
 
         self.faults.maybe_fault("weight_sync", self.cursor["rl_step"])  # the step just committed
         full = self.trainer.full_weights()
-        if weights_on_device(self.cfg, self.device):
+        if weights_on_device(self.cfg, self.device.type):
             from rlfw.model.device_weights import pack
 
             if self.rank != 0:

@@ -200,6 +200,10 @@ def test_a_placement_that_cannot_fit_the_gpu_names_sizes_and_keys():
     two_cells = ("dp.num_cells=2", "cluster.gpus_per_worker=0.5", "cluster.placement=colocated")
     with pytest.raises(ConfigError, match=r"a GPU of 40\.0 GiB cannot hold this run's training phase: it needs 54\.6"
                                           r".*cluster\.gpus_per_worker=0\.5.*rollout\.max_batch"):
+        check_gpu_memory(load(*two_cells, "rollout.weight_transport=host"), qwen2_1p5b, 40 * GIB,
+                         samples_per_engine=512)
+    # weights handed over on the GPU: the writer's packed bf16 copy too (2.9 GiB)
+    with pytest.raises(ConfigError, match=r"training phase: it needs 57\.5"):
         check_gpu_memory(load(*two_cells), qwen2_1p5b, 40 * GIB, samples_per_engine=512)
     budget = check_gpu_memory(load(*two_cells), qwen2_1p5b, 80 * GIB, samples_per_engine=512)
     assert budget.generate < budget.train  # the optimizer state left the GPU while the engine generates

@@ -51,11 +51,9 @@ def test_weights_in_gpu_memory_need_the_local_engine_on_cuda(overrides, num_devi
 
 
 def test_auto_shares_weights_in_gpu_memory_only_with_the_local_engine_on_cuda_in_a_local_ray():
-    import torch
+    from rlfw.config.devices import weights_on_device
 
-    from rlfw.train_group.worker import weights_on_device
-
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    cuda, cpu = "cuda", "cpu"
     assert weights_on_device(load(), cuda) and not weights_on_device(load(), cpu)
     assert not weights_on_device(load("rollout=sglang"), cuda)
     assert not weights_on_device(load("cluster.address=10.0.0.1:6379"), cuda)  # engines may sit on other nodes
