@@ -64,7 +64,7 @@ def ends_on_death(call):
     first error the driver sees may be a survivor's (its collective's peer closed the connection) rather than the
     dead actor's: then the world is probed, and the survivor's error stands only when every rank is alive. A call
     past its phase's deadline (``PhaseDeadlines``: a stalled rank, or one stuck outside any collective) ends the
-    world the same way."""
+    world the same way, within ``ft.stall_timeout_s`` more (the probe that names a dead rank)."""
 
     def lost(name: str, cause: str, what: str = "died") -> WorldLostError:
         return WorldLostError(
@@ -84,7 +84,8 @@ def ends_on_death(call):
             raise lost(call.__name__, f"rank {', '.join(map(str, dead))} dead; a survivor saw "
                                       f"{type(e.cause).__name__}: {str(e.cause).splitlines()[0][:200]}") from e
         except TimeoutError as e:  # the call's deadline passed at the driver
-            dead = self.world.dead_ranks()
+            # A stalled rank never answers the probe: it is given the stall timeout, not the probe's default.
+            dead = self.world.dead_ranks(timeout_s=self.world.cfg.ft.stall_timeout_s)
             cause = f"rank {', '.join(map(str, dead))} dead" if dead else str(e)
             raise lost(call.__name__, cause, "died" if dead else "hung or stalled") from e
 
