@@ -5,16 +5,19 @@ moment (in a generate call or a weight push) lose no sample, and no token lags m
 weights that train on it.
 """
 
+import os
 import threading
 import time
 
 import psutil
 import pytest
-from harness import REFERENCE, STEPS, check_every_sample_once, final_model, max_abs_diff, read_jsonl, run_rlfw
+from harness import STEPS, check_every_sample_once, final_model, max_abs_diff, read_jsonl, run_rlfw
+from process_marks import marked_processes
 from test_cells import CELLS2
 from test_faults import kills
 
 pytestmark = pytest.mark.e2e
+SESSION = "RLFW_TEST_SESSION"  # tests/conftest.py: every process this session started carries it
 
 
 def test_async_with_no_staleness_is_the_synchronous_loop(reference_run, run):
@@ -33,17 +36,20 @@ def test_async_with_no_staleness_is_the_synchronous_loop(reference_run, run):
 
 
 def kill_engine_at(run_dir, step: int, killed: list) -> threading.Thread:
-    """SIGKILL the rollout engine's process once the run has logged ``step`` (whatever it is doing then)."""
+    """SIGKILL this session's rollout engine process once the run has logged ``step`` (whatever it is doing then)."""
 
     def watch():
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             path = run_dir / "metrics.jsonl"
             if path.exists() and len(path.read_text().splitlines()) > step:
-                for proc in psutil.process_iter(["pid", "cmdline"]):
-                    if any("ray::LocalEngine" in part for part in proc.info["cmdline"] or []):
-                        proc.kill()
-                        killed.append(proc.info["pid"])
+                for proc in marked_processes(SESSION, os.environ[SESSION]):
+                    try:
+                        if any("ray::LocalEngine" in part for part in proc.cmdline()):
+                            proc.kill()
+                            killed.append(proc.pid)
+                    except psutil.NoSuchProcess:
+                        pass
                 return
             time.sleep(0.02)
 
@@ -52,43 +58,35 @@ def kill_engine_at(run_dir, step: int, killed: list) -> threading.Thread:
     return thread
 
 
-def test_async_survives_a_cell_the_writer_and_the_engine_dying(tmp_path):
-    run_dir = tmp_path / "async_faults"
+def test_async_survives_a_cell_the_writer_and_the_engine_dying_and_resumes_from_the_checkpoint(tmp_path):
+    """One run through two jobs. The first (7 steps): a cell SIGKILLed mid-step, the writer killed while it exports
+    and the engine killed after step 3. The second resumes from the first's final checkpoint: a checkpoint does not
+    hold the rollouts asked for ahead, so the resumed job generates them again from the checkpoint's weights, and its
+    first step trains at staleness 0. Every step of the run is trained once, on its own samples. The samples are
+    multi-turn episodes with a tool (task=calc): one sample per episode, the staleness bound on its oldest policy
+    token."""
+    run_dir = tmp_path / "async"
+    common = ["dp=cells", "dp.num_cells=2", "loop=async", "loop.max_staleness=1", "checkpoint.interval=2",
+              "ft.verify_weights_every=1", "task=calc"]
+    first_steps, steps = 7, 9
     killed: list = []
     watcher = kill_engine_at(run_dir, 3, killed)
-    run_rlfw(
-        run_dir, "dp=cells", "dp.num_cells=2", *REFERENCE, "loop=async", "loop.max_staleness=1",
-        "ft.await_replacement_s=60", "fault=kill_once",
-        *kills((1, 2, "mid_forward_backward", 0), (0, 5, "weight_sync", 0)),
-        "task.length=8",  # longer responses: weight pushes land inside a generation
-    )
+    run_rlfw(run_dir, *common, f"num_steps={first_steps}", "ft.await_replacement_s=60", "fault=kill_once",
+             *kills((1, 2, "mid_forward_backward", 0), (0, 5, "weight_sync", 0)))
     watcher.join(5)
     assert killed, "the engine was never found to kill"
-    check_every_sample_once(run_dir)  # each step's own samples, each trained once, cells bitwise equal
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert all(r["loop/staleness_max"] <= 1 for r in rows)
-    assert max(r["loop/staleness_max"] for r in rows) == 1  # generation did run ahead of training
     assert rows[-1]["rollout/engine_restarts"] >= 1 and rows[-1]["rollout/engines_alive"] == 1
-    events = read_jsonl(run_dir / "events.jsonl")
-    assert sum(e["kind"] == "cell_failed" for e in events) == 2
+    assert sum(e["kind"] == "cell_failed" for e in read_jsonl(run_dir / "events.jsonl")) == 2
 
-
-def test_async_resume_generates_the_later_rollouts_again_from_the_checkpoint(run):
-    """A checkpoint does not hold the rollouts asked for ahead: a resumed async run generates them again from the
-    checkpoint's weights, so its first step trains at staleness 0 and the next ones at most 1, and every step of the run
-    is trained once, on its own samples. The samples are multi-turn episodes with a tool (task=calc): one sample per
-    episode, the staleness bound on its oldest policy token."""
-    common = ["dp=cells", "loop=async", "loop.max_staleness=1", "checkpoint.interval=2", "ft.verify_weights_every=1",
-              "task=calc"]
-    run_dir = run("first", *common, "num_steps=4")
-    run_rlfw(run_dir, *common, "num_steps=7", "resume=auto")
-    check_every_sample_once(run_dir, steps=7)
+    run_rlfw(run_dir, *common, f"num_steps={steps}", "resume=auto")
+    check_every_sample_once(run_dir, steps=steps)  # each step's own samples, each trained once, cells bitwise equal
     rows = read_jsonl(run_dir / "metrics.jsonl")
     staleness = [r["loop/staleness_max"] for r in rows]
     # Each job's first step trains on a rollout of the weights it started from (the resumed one's: the checkpoint's,
     # generated again); later ones at most one version behind. (Whether a later rollout ran ahead depends on how
     # generation and training interleave: a push that lands before a generation starts makes its step fresh.)
-    assert staleness[0] == staleness[4] == 0 and all(s <= 1 for s in staleness), staleness
+    assert staleness[0] == staleness[first_steps] == 0 and all(s <= 1 for s in staleness), staleness
     assert max(staleness) == 1  # generation ran ahead of training
     assert all(1 <= r["env/turns_mean"] <= r["env/turns_max"] <= 3 for r in rows)
     # The trainer's tokens are the policy's only: an episode's observations past its prompt are not trained.
