@@ -2,15 +2,20 @@
 
 One server for this file's tests (a start costs 15-45 s), attached by URL, as a user attaches rlfw to servers they
 started; each test pushes its own weights and versions. The only stand-in is SGLang's CPU kernel package
-(``tests/sglang_cpu/sgl_kernel``). What a real server cannot be made to do on demand (hold a request between two
-decode steps, act as a router) stays with ``fake_sglang_server.py`` in ``test_sglang_engine.py``.
+(``tests/sglang_cpu/sgl_kernel``). A test that needs a generation still running when it acts (a push, a pause, a
+kill) slows the server down with SGLang's own test hook, ``/slow_down`` (every batch sleeps first), rather than
+racing a tiny model. Launch mode against real servers: ``test_sglang_real_launch.py``; what a real server cannot do
+here (act as a router, sample as the trainer's model does) stays with ``fake_sglang_server.py`` in
+``test_sglang_engine.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,12 +27,16 @@ from rlfw.rollout.engines.sglang_client import SGLangClient
 from rlfw.rollout.engines.sglang_server import ServerProcess, launch_argv
 from rlfw.rollout.types import SamplingParams
 from test_sglang_engine import (
-    EOS, GREEDY, PROMPTS, SHAPE, STATE_A, STATE_B, free_ports, reference, sglang_cfg, wait_for,
+    EOS, GREEDY, PROMPTS, SHAPE, STATE_A, STATE_B, assert_same, free_ports, reference, sglang_cfg, wait_for,
 )  # fmt: skip
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--skip-server-warmup",
              "--dtype", "float32", "--max-total-tokens", "4096", "--mem-fraction-static", "0.05"]
+
+
+LONG = SamplingParams(temperature=0.0, max_new_tokens=12)
+SLOW_BATCH_S = 0.3  # how long a slowed-down server sleeps before each batch (prefill or decode step)
 
 
 def sglang_python() -> str:
@@ -38,13 +47,22 @@ def sglang_python() -> str:
     return python
 
 
+def launch_command() -> list[str]:
+    return ["env", "SGLANG_USE_CPU_ENGINE=1", sglang_python(), "-m", "sglang.launch_server"]
+
+
+def real_launch_cfg(base_port: int, **overrides):
+    """Launch mode: engine i starts a real CPU server on base_port + i."""
+    return sglang_cfg(**{"launch_command": launch_command(), "base_port": base_port, "gpus_per_engine": 0,
+                         "extra_args": CPU_FLAGS, **overrides})
+
+
 @pytest.fixture(scope="module")  # stopped after this file: an idle SGLang scheduler busy-polls a core
 def real_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real_sglang")
     model = save_server_checkpoint(tmp / "initial", STATE_B, SHAPE, EOS)
     port = free_ports(1)
-    argv = launch_argv(["env", "SGLANG_USE_CPU_ENGINE=1", sglang_python(), "-m", "sglang.launch_server"],
-                       str(model), "127.0.0.1", port, 1, "initial", 0, CPU_FLAGS)
+    argv = launch_argv(launch_command(), str(model), "127.0.0.1", port, 1, "initial", 0, CPU_FLAGS)
     process = ServerProcess("real SGLang server", str(tmp / "server.log"))
     process.start(argv)
     url = f"http://127.0.0.1:{port}"
@@ -53,13 +71,33 @@ def real_server(tmp_path_factory):
         wait_for(lambda: process.returncode() is not None or client.health_error() is None, "the SGLang server",
                  deadline_s=600)
         assert process.returncode() is None, process.log_tail(60)
-        yield {"url": url, "process": process}
+        yield {"url": url, "process": process, "log": tmp / "server.log"}
     finally:
         process.stop()
 
 
 def attached(tmp_path, url, **overrides) -> SGLangEngine:
     return SGLangEngine(sglang_cfg(urls=[url], **overrides), SHAPE, EOS, 0, 0, "127.0.0.1", tmp_path / "engine_0")
+
+
+def batches_run(log: Path) -> int:
+    """The batches a slowed-down server ran (it logs each one)."""
+    return log.read_text(errors="replace").count("Scheduler.run_batch sleep")
+
+
+@contextmanager
+def slowed_down(url: str, log: Path):
+    """Every batch of the server sleeps ``SLOW_BATCH_S`` first; yields ``running()``, which waits until a generation
+    sent meanwhile has run its prefill and a decode step (its requests hold tokens)."""
+    requests.post(url + "/slow_down", json={"forward_sleep_time": SLOW_BATCH_S}, timeout=30).raise_for_status()
+    before = batches_run(log)
+    try:
+        yield lambda: wait_for(lambda: batches_run(log) >= before + 2, "the generation to run")
+    finally:
+        try:
+            requests.post(url + "/slow_down", json={"forward_sleep_time": None}, timeout=30).raise_for_status()
+        except requests.ConnectionError:
+            pass  # a server killed meanwhile: nothing to undo (its replacement starts at full speed)
 
 
 def test_greedy_generations_and_logprobs_match_the_trainers(real_server, tmp_path):
@@ -78,6 +116,12 @@ def test_greedy_generations_and_logprobs_match_the_trainers(real_server, tmp_pat
     for g, e in zip(generations, expected):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), rtol=0, atol=1e-4)
     assert {g.weight_version for g in generations} == {1}
+    # The next push replaces the checkpoint: the server loads it, and the previous one is gone once it has.
+    engine.update_weights(STATE_B, version=2)
+    assert_same(engine.generate(PROMPTS, GREEDY), reference(STATE_B, PROMPTS, GREEDY), version=2, atol=1e-4)
+    info = requests.get(real_server["url"] + "/model_info", timeout=10).json()
+    assert info["weight_version"] == "2" and info["model_path"] == str(tmp_path / "engine_0" / "v2")
+    assert not (tmp_path / "engine_0" / "v1").exists()
 
 
 def test_a_stale_server_is_given_the_current_weights_and_the_batch_re_sent(real_server, tmp_path):
@@ -134,3 +178,99 @@ def test_a_bad_weights_path_is_refused_and_the_engine_keeps_its_weights(real_ser
     generations = engine.generate(PROMPTS, GREEDY)
     assert [g.response_ids for g in generations] == [e.response_ids for e in reference(STATE_B, PROMPTS, GREEDY)]
     assert {g.weight_version for g in generations} == {3}
+
+
+def test_weights_pushed_mid_generation_continue_the_requests_under_them(real_server, tmp_path):
+    """A partial rollout: weights v2 pushed while v1 generates make the call pause the server (its aborted requests
+    answer with their tokens so far), which loads v2 and continues; every unfinished request goes on from its prompt
+    and those tokens under v2, exactly as v2 continues them (greedy). Each token records the version that sampled it.
+    Where the push lands is the server's timing: the test reads it from the token versions."""
+    engine = attached(tmp_path, real_server["url"])
+    engine.update_weights(STATE_A, version=1)
+    with slowed_down(real_server["url"], real_server["log"]) as running, ThreadPoolExecutor(2) as threads:
+        call = threads.submit(engine.generate, PROMPTS, LONG)
+        running()
+        threads.submit(engine.update_weights, STATE_B, 2).result(timeout=300)
+        generations = call.result(timeout=300)
+
+    before = reference(STATE_A, PROMPTS, LONG)
+    continued = 0
+    for prompt, generation, old in zip(PROMPTS, generations, before):
+        assert generation.weight_version == 1
+        held = generation.token_versions.count(1)
+        assert generation.token_versions == [1] * held + [2] * (len(generation.response_ids) - held)
+        assert generation.response_ids[:held] == old.response_ids[:held]
+        if held == len(generation.response_ids):  # finished under v1 before the push
+            assert generation.response_ids == old.response_ids
+            continue
+        [new] = reference(STATE_B, [prompt + old.response_ids[:held]],
+                          replace(LONG, max_new_tokens=LONG.max_new_tokens - held))
+        assert generation.response_ids[held:] == new.response_ids
+        assert generation.finish_reason == new.finish_reason
+        torch.testing.assert_close(torch.tensor(generation.logprobs),
+                                   torch.tensor(old.logprobs[:held] + new.logprobs), rtol=0, atol=1e-4)
+        continued += held > 0
+    assert continued, f"no response went on across the push: {[g.token_versions for g in generations]}"
+
+
+def test_requests_aborted_by_someone_else_go_on_from_their_tokens(real_server, tmp_path):
+    """A pause the engine did not ask for (an operator's) aborts its requests: they keep the tokens they got and are
+    sent again from there, under the same weights, once the server continues: the greedy answer is unchanged."""
+    url = real_server["url"]
+    engine = attached(tmp_path, url)
+    engine.update_weights(STATE_A, version=3)
+    with slowed_down(url, real_server["log"]) as running, ThreadPoolExecutor(1) as thread:
+        call = thread.submit(engine.generate, PROMPTS, LONG)
+        running()
+        requests.post(url + "/pause_generation", json={"mode": "abort"}, timeout=60).raise_for_status()
+        requests.post(url + "/continue_generation", json={}, timeout=60).raise_for_status()
+        generations = call.result(timeout=300)
+
+    assert_same(generations, reference(STATE_A, PROMPTS, LONG), version=3, atol=1e-4)
+    assert all(g.token_versions == [3] * len(g.response_ids) for g in generations)
+
+
+def test_a_hung_server_is_a_clear_error_and_serves_again_once_it_runs(real_server, tmp_path):
+    """A server stopped (SIGSTOP) past its deadlines: the engine gives up, naming the server and what timed out,
+    instead of waiting on it; once the server runs again, the engine serves from it."""
+    url = real_server["url"]
+    engine = attached(tmp_path, url, request_timeout_s=3.0, control_timeout_s=2.0)
+    engine.update_weights(STATE_A, version=4)
+    group = real_server["process"].pid()
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        with pytest.raises(RuntimeError, match=rf"SGLang engine 0 at {url} gave up: {url} failed its health check: "
+                                               rf".*\(during /generate: {url}: /generate did not answer within 3.0s\)"):
+            engine.generate(PROMPTS, GREEDY)
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    assert_same(engine.generate(PROMPTS, GREEDY), reference(STATE_A, PROMPTS, GREEDY), version=4, atol=1e-4)
+
+
+def test_a_port_in_use_is_refused_before_a_server_starts(real_server, shared_ray, tmp_path):
+    """rollout.sglang.base_port where another server listens: the engine must not take that server for its own
+    (nor push its weights to it); it says so, naming the key, before it starts anything."""
+    url = real_server["url"]
+    port = int(url.rsplit(":", 1)[1])
+    held = requests.get(url + "/model_info", timeout=10).json()["weight_version"]
+    engine = SGLangEngine(real_launch_cfg(port, control_timeout_s=2.0), SHAPE, EOS, 0, 0, "127.0.0.1",
+                          tmp_path / "engine_0")
+    try:
+        with pytest.raises(RuntimeError, match=rf"cannot start its server on 127.0.0.1:{port}: the port is in use "
+                                               rf".*rollout\.sglang\.base_port={port}"):
+            engine.update_weights(STATE_A, version=5)
+        assert engine.server_pid is None and engine.weight_version is None
+    finally:
+        engine.shutdown()
+    assert requests.get(url + "/model_info", timeout=10).json()["weight_version"] == held
+
+
+def test_a_dead_attached_server_is_a_clear_error(real_server, tmp_path):
+    """Last in this file: it kills the file's server (its whole process group, as a lost node would)."""
+    url = real_server["url"]
+    engine = attached(tmp_path, url)
+    engine.update_weights(STATE_A, version=6)
+    os.killpg(real_server["process"].pid(), signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=rf"SGLang engine 0 at {url} gave up: {url} failed its health check: "
+                                           r"ConnectionError"):
+        engine.generate(PROMPTS, GREEDY)

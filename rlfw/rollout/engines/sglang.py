@@ -69,7 +69,7 @@ from rlfw.rollout.engines.sglang_client import (
     SGLangClient,
     request_seeds,
 )
-from rlfw.rollout.engines.sglang_server import ServerProcess, launch_argv, server_gpus
+from rlfw.rollout.engines.sglang_server import ServerProcess, launch_argv, port_taken, server_gpus
 from rlfw.rollout.types import Generation, PartialResponse, SamplingParams
 
 HEALTH_POLL_S = 1.0
@@ -395,6 +395,9 @@ class SGLangEngine(Engine):
                 )
                 .remote(self.name, str(self.log_path))
             )
+        else:  # the previous server goes first: it holds the port
+            ray.get(self._process.stop.remote(), timeout=self.cfg.control_timeout_s + 30)
+        self._require_free_port()
         argv = launch_argv(
             list(self.cfg.launch_command),
             str(self._checkpoint),
@@ -417,6 +420,22 @@ class SGLangEngine(Engine):
         except Exception:
             self.shutdown()  # nothing half-started stays behind
             raise
+
+    def _require_free_port(self) -> None:
+        """Fails at once where another process listens on this server's port: SGLang would find out only once it
+        loaded the model, and meanwhile the engine would take whatever answers there (another run's server) for its
+        own, and push its weights to it. A server of ours that is ending may hold the port a moment longer."""
+        port = self.cfg.base_port + self.index
+        deadline = time.monotonic() + self.cfg.control_timeout_s
+        while (taken := port_taken(self.host, port)) is not None and time.monotonic() < deadline:
+            time.sleep(HEALTH_POLL_S)
+        if taken is not None:
+            self.shutdown()
+            raise RuntimeError(
+                f"{self.name} cannot start its server on {host_port(self.host, port)}: the port is in use ({taken}), "
+                f"by another server or program; rollout.sglang.base_port={self.cfg.base_port} gives engine i the "
+                f"port base_port + i: set it to the first of rollout.num_engines free ports"
+            )
 
     def _require_gpus(self, node: str) -> int:
         """This node's GPUs in Ray; fails at once, naming the key, where the server's actor could never be placed

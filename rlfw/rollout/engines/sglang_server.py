@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,6 +51,19 @@ def launch_argv(
         "--skip-tokenizer-init",
         *extra_args,
     ]  # fmt: skip
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why a server cannot listen on ``host:port`` (another process listens there), or None. Binds as the server
+    does (``SO_REUSEADDR``: connections of an ended server waiting out TIME_WAIT do not count)."""
+    family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 def server_gpus(gpus_per_engine: int, colocated: bool, index: int, node_gpus: int) -> tuple[int, list[str]]:
@@ -98,6 +112,7 @@ class ServerProcess:
             return
         group = self._process.pid  # the leader of its own session: its pid is the group id
         signal_group(group, signal.SIGTERM)
+        signal_group(group, signal.SIGCONT)  # a stopped server (SIGSTOP) takes its SIGTERM only once it runs
         try:
             self._process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
