@@ -22,6 +22,8 @@ import pytest
 import requests
 import torch
 
+from rlfw.model.shape import ModelShape
+from rlfw.rollout.engines.local import LocalEngine
 from rlfw.rollout.engines.sglang import SGLangEngine, save_server_checkpoint
 from rlfw.rollout.engines.sglang_client import SGLangClient
 from rlfw.rollout.engines.sglang_server import ServerProcess, launch_argv
@@ -263,6 +265,25 @@ def test_a_port_in_use_is_refused_before_a_server_starts(real_server, shared_ray
     finally:
         engine.shutdown()
     assert requests.get(url + "/model_info", timeout=10).json()["weight_version"] == held
+
+
+def test_a_server_of_another_architecture_is_refused_before_the_first_push(real_server, tmp_path):
+    """SGLang dies of a checkpoint of another shape loaded into its running model: attached to a server started
+    from another model, the engine says so, naming what differs, and pushes nothing; the server serves on."""
+    url = real_server["url"]
+    served = save_server_checkpoint(tmp_path / "served", STATE_A, SHAPE, EOS)
+    answer = requests.post(url + "/update_weights_from_disk",
+                           json={"model_path": str(served), "weight_version": "21"}, timeout=120)
+    assert answer.json()["success"] is True
+    policy = ModelShape(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                        vocab_size=16, max_seq_len=64)
+    engine = SGLangEngine(sglang_cfg(urls=[url]), policy, EOS, 0, 0, "127.0.0.1", tmp_path / "engine_0")
+    with pytest.raises(RuntimeError, match=rf"serves {served}, which is not of the policy's architecture "
+                                           r"\(hidden_size 64 \(policy: 32\), ffn_hidden_size 128 \(policy: 64\)"):
+        engine.update_weights(LocalEngine(policy, EOS, 0, seed=0).model.state_dict(), version=22)
+    assert engine.weight_version is None
+    assert requests.get(url + "/model_info", timeout=10).json()["weight_version"] == "21"
+    assert attached(tmp_path, url).server.health_error() is None
 
 
 def test_a_dead_attached_server_is_a_clear_error(real_server, tmp_path):

@@ -57,7 +57,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from rlfw.cluster.address import host_port, resolve
 from rlfw.config.schema import SGLangConfig
-from rlfw.model.hf_checkpoint import save_hf_checkpoint
+from rlfw.model.hf_checkpoint import architecture, read_hf_config, save_hf_checkpoint
+from rlfw.model.hf_convert import hf_config
 from rlfw.model.shape import ModelShape
 from rlfw.rollout.engines.base import Engine
 from rlfw.rollout.engines.handoff import WeightHandoff
@@ -144,6 +145,7 @@ class SGLangEngine(Engine):
         self._gpus, self._gpu_args = 0, []  # launch mode: its actor's Ray GPUs, the flags placing it on the node's
         self.server_pid: int | None = None  # launch mode: the last server process started
         self._paused = False  # the server was paused to take a push, and is to continue once loaded
+        self._model_checked = self.launch  # attach mode: the server's model is checked before the first push
         # A push waits for the call under way to reach its next poll (at worst it is checking a failed server and
         # reloading it, or backing off), then for the pause and the load (at worst a restart).
         self._handoff = WeightHandoff(
@@ -318,6 +320,8 @@ class SGLangEngine(Engine):
                 self._start_server()
                 return
             try:
+                if not self._model_checked:
+                    self._require_policy_architecture()
                 self._push_weights()
             except ServerError as e:
                 # Down: a launched server is replaced; an attached one must come back (its supervisor restarts it).
@@ -344,6 +348,29 @@ class SGLangEngine(Engine):
             source = "tensors" if self._state is not None else self._checkpoint
             raise RuntimeError(f"{self.name} at {self.server.url} could not load weights v{self.weight_version} "
                                f"from {source}: {e}") from e
+
+    def _require_policy_architecture(self) -> None:
+        """An attached server must serve a model of the policy's architecture: SGLang 0.5.23 loads a checkpoint of
+        another shape into its running model and dies of it, and one of other RoPE or norm settings would answer
+        with other log-probs. Checked where the server's model directory is readable here (a hub name is not)."""
+        model_path = str(self.server.model_info().get("model_path"))
+        if not (Path(model_path) / "config.json").is_file():
+            return
+        ours = architecture(hf_config(self.shape))
+        try:
+            theirs = architecture(read_hf_config(model_path))
+        except ValueError as e:
+            differences = str(e)
+        else:
+            differences = ", ".join(f"{key} {theirs[key]} (policy: {ours[key]})" for key in ours
+                                    if theirs[key] != ours[key])
+        if differences:
+            raise RuntimeError(
+                f"{self.name}: the server at {self.server.url} serves {model_path}, which is not of the policy's "
+                f"architecture ({differences}): SGLang could not load the policy's weights into it. Start it from "
+                "the policy's checkpoint (model.hf_path), or set the model.* keys to its architecture"
+            )
+        self._model_checked = True
 
     def _serving_error(self) -> str | None:
         """None when the server can take the batch again (given the current weights if it lost them); else why
