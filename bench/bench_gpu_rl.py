@@ -1,9 +1,9 @@
-"""RL on one GPU, end to end: ``python -m rlfw.train`` runs of a Qwen2-0.5B-shaped policy (random init, the real
-vocabulary's output layer) on the long-tailed copy task, one row per placement and loop (and one on a stock SGLang
+"""RL on one GPU, end to end: ``python -m rlfw.train`` runs of a Qwen2-0.5B- or 1.5B-shaped policy (``--shape``;
+random init, the real vocabulary's output layer) on the long-tailed copy task, one row per placement and loop (and one on a stock SGLang
 server: ``sglang_colocated_2cells``), with the GPU's memory sampled meanwhile. Prints one table; each run's
 metrics.jsonl and the memory trace go to ``--out``.
 
-    python3 bench/bench_gpu_rl.py --out $OUT [--rows colocated_2cells_kill,separate_sync,separate_async] [--steps 8]
+    python3 bench/bench_gpu_rl.py --out $OUT [--rows colocated_2cells_kill,separate_sync,separate_async] [--steps 8] [--shape 0.5b]
 
 Per row, over the steps after the first (warm-up): the step's seconds in generation (``time/generate``), the
 trainer's log-probs pass (``time/logprobs``, 0 when the training forward computes them), training
@@ -28,11 +28,16 @@ from pathlib import Path
 
 from runner import OUT, run_training, table
 
-QWEN2_0P5B = ["model.num_layers=24", "model.hidden_size=896", "model.num_attention_heads=14",
-              "model.num_query_groups=2", "model.ffn_hidden_size=4864", "model.vocab_size=151936",
-              "model.qkv_bias=true", "model.tie_word_embeddings=true", "model.rope_theta=1000000",
-              "model.norm_epsilon=1e-6", "model.max_seq_len=160"]
-COMMON = ["cluster.device=cuda", *QWEN2_0P5B, "task.length=64", "+task.min_length=2", "rollout.num_prompts=64",
+QWEN2 = ["model.num_query_groups=2", "model.vocab_size=151936", "model.qkv_bias=true",
+         "model.tie_word_embeddings=true", "model.rope_theta=1000000", "model.norm_epsilon=1e-6",
+         "model.max_seq_len=160"]
+SHAPES = {
+    "0.5b": ["model.num_layers=24", "model.hidden_size=896", "model.num_attention_heads=14",
+             "model.ffn_hidden_size=4864", *QWEN2],
+    "1.5b": ["model.num_layers=28", "model.hidden_size=1536", "model.num_attention_heads=12",
+             "model.ffn_hidden_size=8960", *QWEN2],
+}
+COMMON = ["cluster.device=cuda", "task.length=64", "+task.min_length=2", "rollout.num_prompts=64",
           "rollout.n_samples_per_prompt=8", "algo.max_tokens_per_microbatch=16384", "algo.lr=1e-4",
           "logger=jsonl", "checkpoint.save_final=false", "ft.verify_weights_every=5"]
 # rollout=sglang: a stock SGLang server (bench/carry/build_sglang.sh, unpacked into /tmp/sglang-site by its
@@ -111,6 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="colocated_2cells_kill,separate_sync,separate_async")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="Qwen2 shape (random weights)")
     parser.add_argument("--out", default=str(OUT / "gpu_rl"))
     parser.add_argument("--deadline-s", type=float, default=520, help="start no row after this many seconds")
     parser.add_argument("extra", nargs="*", help="more overrides for every row")
@@ -127,7 +133,8 @@ def main() -> None:
         trace = MemoryTrace()
         trace.start()
         try:
-            result = run_training(f"gpu_rl_{name}", [*COMMON, *ROWS[name], f"num_steps={steps}", *args.extra],
+            result = run_training(f"gpu_rl_{name}", [*COMMON, *SHAPES[args.shape], *ROWS[name], f"num_steps={steps}",
+                                                     *args.extra],
                                   timeout_s=max(60, 590 - (time.time() - started)))
         except Exception as e:  # noqa: BLE001  (the next row still runs; the error is in the output)
             print(f"{name}: FAILED {e}"[:4000], flush=True)
