@@ -1,9 +1,10 @@
 """RL on one GPU, end to end: ``python -m rlfw.train`` runs of a Qwen2-0.5B- or 1.5B-shaped policy (``--shape``;
-random init, the real vocabulary's output layer) on the long-tailed copy task, one row per placement and loop (and one on a stock SGLang
-server: ``sglang_colocated_2cells``), with the GPU's memory sampled meanwhile. Prints one table; each run's
+random init, the real vocabulary's output layer) on the long-tailed copy task, one row per placement and loop (and
+one on a stock SGLang server: ``sglang_colocated_2cells``), with the GPU's memory sampled meanwhile. Prints one table; each run's
 metrics.jsonl and the memory trace go to ``--out``.
 
-    python3 bench/bench_gpu_rl.py --out $OUT [--rows colocated_2cells_kill,separate_sync,separate_async] [--steps 8] [--shape 0.5b]
+    python3 bench/bench_gpu_rl.py --out $OUT [--rows colocated_2cells_kill,separate_sync,separate_async] [--steps 8]
+        [--shape 0.5b]
 
 Per row, over the steps after the first (warm-up): the step's seconds in generation (``time/generate``), the
 trainer's log-probs pass (``time/logprobs``, 0 when the training forward computes them), training
