@@ -93,10 +93,16 @@ def test_server_not_healthy_in_time_fails_naming_it_and_is_stopped(shared_ray, t
     wait_for(lambda: not processes_in(engine.server_pid), "the server's processes to end")
 
 
-def test_server_that_exits_at_start_fails_with_its_log(shared_ray, tmp_path):
-    engine = SGLangEngine(real_launch_cfg(free_ports(1), extra_args=[*CPU_FLAGS, "--no-such-flag"]), SHAPE, EOS, 0,
-                          0, "127.0.0.1", tmp_path / "engine_0")
-    with pytest.raises(RuntimeError, match=r"(?s)exited with code 2 while waiting to start; last lines of "
-                                           r".*sglang_server\.log.*unrecognized arguments: --no-such-flag"):
+@pytest.mark.parametrize("launch,code,logged", [
+    ({"extra_args": [*CPU_FLAGS, "--no-such-flag"]}, 2, "unrecognized arguments: --no-such-flag"),
+    # The default command (this interpreter), where SGLang is not installed: rollout=sglang without its environment.
+    ({"launch_command": ["{python}", "-m", "sglang.launch_server"]}, 1, "No module named 'sglang'"),
+], ids=["bad-flag", "not-installed"])
+def test_server_that_exits_at_start_fails_with_its_log(shared_ray, tmp_path, launch, code, logged):
+    engine = SGLangEngine(real_launch_cfg(free_ports(1), **launch), SHAPE, EOS, 0, 0, "127.0.0.1",
+                          tmp_path / "engine_0")
+    with pytest.raises(RuntimeError, match=rf"(?s)exited with code {code} while waiting to start: see its log; its "
+                                           r"command line .* is rollout\.sglang\.launch_command .*rollout\.sglang\."
+                                           rf"extra_args; last lines of .*sglang_server\.log.*{logged}"):
         engine.update_weights(STATE_A, version=1)
     assert engine.weight_version is None

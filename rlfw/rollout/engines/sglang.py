@@ -485,8 +485,9 @@ class SGLangEngine(Engine):
                 exit_code = ray.get(self._process.returncode.remote(), timeout=self.cfg.control_timeout_s)
                 if exit_code is not None:
                     raise RuntimeError(
-                        f"{self.name} at {self.server.url} exited with code {exit_code} while waiting {why}; "
-                        f"{self._log_tail()}"
+                        f"{self.name} at {self.server.url} exited with code {exit_code} while waiting {why}: see "
+                        "its log; its command line (the log's first line) is rollout.sglang.launch_command with "
+                        f"rlfw's flags and rollout.sglang.extra_args; {self._log_tail()}"
                     )
             error = self.server.health_error(timeout_s=max(0.1, min(self.cfg.control_timeout_s,
                                                                      deadline - time.monotonic())))
