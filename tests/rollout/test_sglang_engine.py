@@ -12,6 +12,8 @@ of its own, not installed), and seeded sampling at temperature 1 with top-p whos
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,7 +37,7 @@ from rlfw.rollout.engines.sglang_client import (
     parse_outputs,
     request_seeds,
 )
-from rlfw.rollout.engines.sglang_server import launch_argv, server_gpus
+from rlfw.rollout.engines.sglang_server import ServerProcess, launch_argv, server_gpus
 from rlfw.rollout.types import Generation, SamplingParams
 
 torch.set_num_threads(1)
@@ -215,6 +217,21 @@ def test_launch_command_line():
     assert argv == [sys.executable, "-m", "sglang.launch_server", "--model-path", "/ckpt/v3", "--host", "127.0.0.1",
                     "--port", "30001", "--tp-size", "2", "--weight-version", "3", "--random-seed", "9",
                     "--skip-tokenizer-init", "--mem-fraction-static", "0.7"]
+
+
+def test_a_stopped_server_is_stopped_with_sigterm_not_left_to_the_kill(tmp_path):
+    """A server frozen by SIGSTOP (a hung one, say) gets its SIGTERM once stop() continues it: it shuts down on its
+    own terms instead of sitting out the grace period and being SIGKILLed."""
+    ready, said = tmp_path / "ready", tmp_path / "sigterm"
+    program = ("import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: "
+               f"(pathlib.Path({str(said)!r}).write_text('bye'), sys.exit(0))); "
+               f"pathlib.Path({str(ready)!r}).touch(); time.sleep(600)")
+    process = ServerProcess("server", str(tmp_path / "server.log"))
+    pid = process.start([sys.executable, "-c", program])
+    wait_for(ready.exists, "the server to start")
+    os.kill(pid, signal.SIGSTOP)
+    process.stop(grace_s=30)
+    assert said.read_text() == "bye"
 
 
 # --- config --------------------------------------------------------------------------------------------------------
