@@ -8,7 +8,7 @@ import torch
 from engine_helpers import compose_cfg, random_hf_state, shape_of
 
 from rlfw.model.hf_checkpoint import save_hf_checkpoint
-from rlfw.rollout.engines import LocalEngine, build_engine
+from rlfw.rollout.engines import LocalEngine
 from rlfw.rollout.tasks import CopyTask
 from rlfw.rollout.types import SamplingParams
 
@@ -21,9 +21,17 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def engines(ray_local, tmp_path_factory):
-    cfg = compose_cfg(tmp_path_factory.mktemp("run"), "rollout=vllm")
+    """One vLLM engine for the module (its start is most of these tests' time): ``HeldVLLMEngine``, whose generate
+    call can be held before a chosen engine step and is VLLMEngine's otherwise, in an actor that takes the hold's
+    calls beside a generate call and a push. (``rollout=vllm`` runs build theirs with ``build_engine``:
+    tests/e2e/test_vllm.py.) The last test shuts it down."""
+    from held_engines import HeldVLLMEngine
+
+    run_dir = tmp_path_factory.mktemp("run")
+    cfg = compose_cfg(run_dir, "rollout=vllm")
     shape, tokenizer = shape_of(cfg), CopyTask().tokenizer
-    vllm = build_engine(cfg, shape, tokenizer, index=0)
+    kwargs = HeldVLLMEngine.init_kwargs(cfg, shape, tokenizer, seed=0, index=0, workdir=run_dir / "engine")
+    vllm = ray.remote(HeldVLLMEngine).options(num_cpus=cfg.rollout.cpus_per_engine, max_concurrency=4).remote(**kwargs)
     local = LocalEngine(shape, tokenizer.eos_token_id, tokenizer.pad_token_id, seed=0)
     ray_listeners = listeners(psutil.Process(ray.get(vllm.health.remote())["pid"]))  # the Ray worker's own
     yield vllm, local, shape, tokenizer, ray_listeners
@@ -77,6 +85,38 @@ def test_logprobs_greedy_answers_and_weight_reloads_match_the_local_engine(engin
     assert {g.weight_version for g in got} == {7}
 
 
+def test_weights_pushed_mid_generation_continue_the_requests_under_them(engines):
+    """A partial rollout on vLLM: weights v9 pushed while v8 generates (the call held before its 4th engine step)
+    are taken before the 5th; every unfinished request goes on from its prompt and its first 4 tokens under v9,
+    exactly as v9 continues them on its own (greedy), and each token records its version."""
+    engine, _, shape, _, _ = engines
+    old, new = random_hf_state(shape, seed=1), random_hf_state(shape, seed=2)
+    ray.get(engine.update_weights.remote(old, 8))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    reference = ray.get(engine.generate.remote(PROMPTS, greedy))
+    ray.get(engine.hold_at.remote(4))
+    call = engine.generate.remote(PROMPTS, greedy)
+    assert ray.get(engine.wait_reached.remote(120))
+    push = engine.update_weights.remote(new, 9)
+    while not ray.get(engine.push_pending.remote()):
+        assert not ray.wait([push], timeout=0.05)[0], "the push returned before the generate call took it"
+    ray.get(engine.release.remote())
+    generations, _ = ray.get(call, timeout=120), ray.get(push, timeout=120)
+    kept = 4  # tokens sampled under v8: engine steps 1-4
+    for prompt, generation, before in zip(PROMPTS, generations, reference):
+        if len(before.response_ids) <= kept:  # finished under v8
+            assert generation == before and generation.token_versions == [8] * len(before.response_ids)
+            continue
+        assert generation.response_ids[:kept] == before.response_ids[:kept]
+        assert generation.token_versions == [8] * kept + [9] * (len(generation.response_ids) - kept)
+        [rest] = ray.get(engine.generate.remote([prompt + before.response_ids[:kept]],
+                                                SamplingParams(temperature=0.0, max_new_tokens=12 - kept)))
+        assert generation.response_ids[kept:] == rest.response_ids
+        torch.testing.assert_close(torch.tensor(generation.logprobs[kept:]), torch.tensor(rest.logprobs),
+                                   rtol=0, atol=ATOL)
+    assert any(set(g.token_versions) == {8, 9} for g in generations)
+
+
 def test_listens_on_loopback_only_and_shuts_down_without_leftovers(engines):
     vllm, *_, ray_listeners = engines
     health = ray.get(vllm.health.remote())
@@ -91,44 +131,3 @@ def test_listens_on_loopback_only_and_shuts_down_without_leftovers(engines):
     ray.kill(vllm)
     process.wait(timeout=60)
     assert not process.is_running()
-
-
-def test_weights_pushed_mid_generation_continue_the_requests_under_them(ray_local, tmp_path):
-    """A partial rollout on vLLM: weights v1 pushed while v0 generates (the call held before its 4th engine step)
-    are taken before the 5th; every unfinished request goes on from its prompt and its first 4 tokens under v1,
-    exactly as v1 continues them on its own (greedy), and each token records its version."""
-    from held_engines import HeldVLLMEngine
-
-    cfg = compose_cfg(tmp_path, "rollout=vllm")
-    shape, tokenizer = shape_of(cfg), CopyTask().tokenizer
-    kwargs = HeldVLLMEngine.init_kwargs(cfg, shape, tokenizer, seed=0, index=0, workdir=tmp_path / "engine")
-    engine = ray.remote(HeldVLLMEngine).options(num_cpus=0.1, max_concurrency=4).remote(**kwargs)
-    try:
-        old, new = random_hf_state(shape, seed=1), random_hf_state(shape, seed=2)
-        ray.get(engine.update_weights.remote(old, 0))
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
-        reference = ray.get(engine.generate.remote(PROMPTS, greedy))
-        ray.get(engine.hold_at.remote(4))
-        call = engine.generate.remote(PROMPTS, greedy)
-        assert ray.get(engine.wait_reached.remote(120))
-        push = engine.update_weights.remote(new, 1)
-        while not ray.get(engine.push_pending.remote()):
-            assert not ray.wait([push], timeout=0.05)[0], "the push returned before the generate call took it"
-        ray.get(engine.release.remote())
-        generations, _ = ray.get(call, timeout=120), ray.get(push, timeout=120)
-        kept = 4  # tokens sampled under v0: engine steps 1-4
-        for prompt, generation, before in zip(PROMPTS, generations, reference):
-            if len(before.response_ids) <= kept:  # finished under v0
-                assert generation == before and generation.token_versions == [0] * len(before.response_ids)
-                continue
-            assert generation.response_ids[:kept] == before.response_ids[:kept]
-            assert generation.token_versions == [0] * kept + [1] * (len(generation.response_ids) - kept)
-            [rest] = ray.get(engine.generate.remote([prompt + before.response_ids[:kept]],
-                                                    SamplingParams(temperature=0.0, max_new_tokens=12 - kept)))
-            assert generation.response_ids[kept:] == rest.response_ids
-            torch.testing.assert_close(torch.tensor(generation.logprobs[kept:]), torch.tensor(rest.logprobs),
-                                       rtol=0, atol=ATOL)
-        assert any(set(g.token_versions) == {0, 1} for g in generations)
-    finally:
-        ray.get(engine.shutdown.remote())
-        ray.kill(engine)
