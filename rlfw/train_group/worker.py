@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import threading
 from contextlib import nullcontext
 from typing import Any, Dict, List, Optional, Tuple
@@ -71,6 +72,9 @@ class TrainerWorker:
         state, received in its first quorum)."""
         from rlfw.ft.faults import FaultInjector
 
+        # Megatron-core imports W&B when it is imported (optional there: for its timers' and inference logging), about
+        # a second of every trainer's start. A trainer logs nothing to W&B (the driver does): this process refuses it.
+        sys.modules.setdefault("wandb", None)
         self.cfg = OmegaConf.create(cfg)
         torch.set_num_threads(self.cfg.cluster.torch_threads)  # this run's, also on a Ray another run started
         self.rank, self.world_size, self.cell = rank, world_size, cell
