@@ -236,13 +236,13 @@ def test_a_hung_server_is_a_clear_error_and_serves_again_once_it_runs(real_serve
     """A server stopped (SIGSTOP) past its deadlines: the engine gives up, naming the server and what timed out,
     instead of waiting on it; once the server runs again, the engine serves from it."""
     url = real_server["url"]
-    engine = attached(tmp_path, url, request_timeout_s=3.0, control_timeout_s=2.0)
+    engine = attached(tmp_path, url, request_timeout_s=2.0, control_timeout_s=1.0)
     engine.update_weights(STATE_A, version=4)
     group = real_server["process"].pid()
     os.killpg(group, signal.SIGSTOP)
     try:
         with pytest.raises(RuntimeError, match=rf"SGLang engine 0 at {url} gave up: {url} failed its health check: "
-                                               rf".*\(during /generate: {url}: /generate did not answer within 3.0s\)"):
+                                               rf".*\(during /generate: {url}: /generate did not answer within 2.0s\)"):
             engine.generate(PROMPTS, GREEDY)
     finally:
         os.killpg(group, signal.SIGCONT)
