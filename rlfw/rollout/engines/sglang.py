@@ -359,8 +359,8 @@ class SGLangEngine(Engine):
         ours = architecture(hf_config(self.shape))
         try:
             theirs = architecture(read_hf_config(model_path))
-        except ValueError as e:
-            differences = str(e)
+        except (ValueError, KeyError) as e:  # a model rlfw cannot train either
+            differences = f"{type(e).__name__}: {e}"
         else:
             differences = ", ".join(f"{key} {theirs[key]} (policy: {ours[key]})" for key in ours
                                     if theirs[key] != ours[key])
