@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import psutil
 import pytest
@@ -57,6 +58,8 @@ def test_killed_server_batch_is_resent_and_server_restarted_with_current_weights
         pool.update_weights(STATE_B, version=2)
         [first] = pool.health(timeout_s=60)
         groups.append(first["server_pid"])
+        temporary = Path(psutil.Process(first["server_pid"]).environ()["TMPDIR"])  # its own, removed with it
+        assert any(temporary.iterdir())
         with slowed_down(first["url"], workdir / "sglang_server.log") as running, ThreadPoolExecutor(1) as thread:
             rollout = thread.submit(pool.generate, PROMPTS, LONG)
             running()
@@ -74,6 +77,7 @@ def test_killed_server_batch_is_resent_and_server_restarted_with_current_weights
         pool.shutdown()
     for group in groups:  # SGLang's scheduler and detokenizer included
         wait_for(lambda group=group: not processes_in(group), f"server process group {group} to end")
+    assert not temporary.exists()
 
 
 def test_server_not_healthy_in_time_fails_naming_it_and_is_stopped(shared_ray, tmp_path):

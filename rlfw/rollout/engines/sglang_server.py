@@ -14,10 +14,12 @@ instead, Ray ends its child, the server, and SGLang's processes end themselves w
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -81,15 +83,20 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._process: subprocess.Popen | None = None
+        self._tmp: str | None = None
 
     def start(self, argv: list[str]) -> int:
-        """Start the server (stopping a previous one first); returns its pid."""
+        """Start the server (stopping a previous one first); returns its pid. Its temporary files (SGLang names its
+        IPC sockets with ones it never removes, and locks a weights path it looks up) go to a folder of its own
+        (``TMPDIR``), removed when it stops."""
         self.stop()
+        self._tmp = tempfile.mkdtemp(prefix="rlfw-sglang-")
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {self.name}: {' '.join(argv)}\n".encode())
             log.flush()
             self._process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "TMPDIR": self._tmp},
             )
         return self._process.pid
 
@@ -124,6 +131,7 @@ class ServerProcess:
         except subprocess.TimeoutExpired:  # stuck in the kernel (uninterruptible I/O, a wedged driver)
             raise RuntimeError(f"{self.name}: server process {group} did not end {grace_s:g} s after SIGKILL") from None
         self._process = None
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 def signal_group(group: int, sig: signal.Signals) -> None:
