@@ -59,6 +59,9 @@ def start_ray(cluster, known_warnings_log: Optional[str] = None) -> None:
     if in_ray_worker() or (_kept_running and ray.is_initialized()):
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray starts one idle worker per CPU for the first driver, without the job's runtime environment (rlfw's worker
+    # environment and set-up hook), so no actor or task of the run can use them: they only take CPU at start-up.
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     os.environ.setdefault("RUST_LOG", "warn")  # the driver's torchft Lighthouse logs every quorum at INFO
     kwargs = dict(
         runtime_env={"env_vars": worker_env(cluster.torch_threads, known_warnings_log),
