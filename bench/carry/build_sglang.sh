@@ -8,7 +8,11 @@
 # What travels: the packages the server imports on the GPU path that the machine lacks, found by importing its
 # modules (launch_server, http_server, scheduler, model_runner, the triton attention backend, the sampler, Qwen2 and
 # Llama); flashinfer-python goes too, since sglang's sampler imports flashinfer.sampling on CUDA even with
-# --sampling-backend pytorch (it compiles kernels only when one is used, so its CUDA sources stay behind).
+# --sampling-backend pytorch. flashinfer compiles a kernel (nvcc, on the machine) when one is first used, and one
+# is: sgl_kernel's RMSNorm calls flashinfer's whenever flashinfer imports (seen on an H100: without its sources the
+# server died at its first forward, "Ninja build failed ... flashinfer/data/csrc/norm.cu missing"). So its CUDA
+# sources and headers travel (csrc, include, cccl, spdlog: ~8 MB compressed); CUTLASS's headers (37 MB), which the
+# norm kernel does not include, stay behind.
 # sglang-kernel without FA3 (flash_ops), FlashMLA, InfLLM and the sm100 build: kept are sm90/common_ops (Hopper) and
 # the dist-info sglang's version check reads. Also left out: xgrammar's static library, jedi's typeshed stubs (IPython
 # completion), sglang's diffusion-model server. The installed tree (262 MB) goes as one tar.xz of ~51 MB: with the
@@ -38,7 +42,7 @@ CP312=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp -
 
 site="$TMP/site"
 rm -rf "$site/sgl_kernel/flash_ops".* "$site/sgl_kernel/flashmla_ops".* "$site/sgl_kernel/infllm_ops".* \
-       "$site/sgl_kernel/sm100" "$site/flashinfer/data" "$site/xgrammar/lib" "$site/jedi/third_party" \
+       "$site/sgl_kernel/sm100" "$site/flashinfer/data/cutlass" "$site/xgrammar/lib" "$site/jedi/third_party" \
        "$site/sglang/multimodal_gen" "$site/bin"
 find "$site" -name '__pycache__' -prune -exec rm -rf {} +
 test -f "$site/sgl_kernel/sm90/common_ops.abi3.so" && test -d "$site"/sglang_kernel-0.4.5.dist-info
