@@ -15,7 +15,7 @@
 # norm kernel does not include, stay behind.
 # sglang-kernel without FA3 (flash_ops), FlashMLA, InfLLM and the sm100 build: kept are sm90/common_ops (Hopper) and
 # the dist-info sglang's version check reads. Also left out: xgrammar's static library, jedi's typeshed stubs (IPython
-# completion), sglang's diffusion-model server. The installed tree (262 MB) goes as one tar.xz of ~51 MB: with the
+# completion), sglang's diffusion-model server. The installed tree (298 MB) goes as one tar.xz of ~54 MB: with the
 # tree it travels in one call, and rlfw's own carry (.whl, 33 MB) in the next (64 MiB a call), while /tmp lasts.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
