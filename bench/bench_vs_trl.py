@@ -1,7 +1,8 @@
 """rlfw's default job against TRL's GRPOTrainer on the same work, one after the other in one invocation.
 
     .venv/bin/pip install -e '.[bench]'          # TRL (optional: only this benchmark needs it)
-    .venv/bin/python bench/bench_vs_trl.py [--steps 60] [--repeats 1] [--rlfw-only]
+    .venv/bin/python bench/bench_vs_trl.py [--steps 60] [--repeats 1] [--rlfw-only] \
+        [--rlfw-overrides algo.max_tokens_per_microbatch=2048 ...]   # another rlfw row beside the default
 
 The work: the built-in copy task (its tokenizer, prompts and reward, imported from rlfw), the tiny Llama shape of
 ``model=tiny``, 32 prompts x 8 samples a step, at most 4 new tokens, GRPO with no KL (TRL ``beta=0``), the token-mean
@@ -46,14 +47,15 @@ from runner import OUT, ROOT, run_training, table
 STEPS = 60
 
 
-def rlfw_row(steps: int) -> dict:
+def rlfw_row(steps: int, overrides: list[str]) -> dict:
     launched = time.time()
-    run = run_training("vs_trl_rlfw", [f"num_steps={steps}", "logger=jsonl"])
+    run = run_training("vs_trl_rlfw", [f"num_steps={steps}", "logger=jsonl", *overrides])
     rows = run["rows"]
     ends = [r["time/wall"] for r in rows]
     samples = rows[-1].get("train/num_samples", 256)
     step_s = statistics.median(ends[i] - ends[i - 1] for i in range(2, len(ends)))
-    return {"side": "rlfw (cells, default)", "launch_to_first_step_s": ends[0] - launched, "step_median_s": step_s,
+    side = "rlfw (cells, default)" if not overrides else f"rlfw {' '.join(overrides)}"
+    return {"side": side, "launch_to_first_step_s": ends[0] - launched, "step_median_s": step_s,
             "samples_per_s": samples / step_s, "shutdown_s": launched + run["wall_s"] - ends[-1],
             "wall_s": run["wall_s"], "final_reward": sum(r["reward/mean"] for r in rows[-5:]) / 5}
 
@@ -144,12 +146,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--rlfw-only", action="store_true")
     parser.add_argument("--trl-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--rlfw-overrides", nargs="+", action="append", default=[], metavar="OVERRIDE",
+                        help="another rlfw row with these Hydra overrides (repeatable), beside the default one")
     args = parser.parse_args()
     if args.trl_child:
         return trl_child(int(args.trl_child[0]), Path(args.trl_child[1]))
     rows = []
     for _ in range(args.repeats):
-        rows.append(rlfw_row(args.steps))
+        rows.append(rlfw_row(args.steps, []))
+        rows += [rlfw_row(args.steps, overrides) for overrides in args.rlfw_overrides]
         if not args.rlfw_only:
             rows.append(trl_row(args.steps))
     headers = list(rows[0])
