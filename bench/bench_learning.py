@@ -1,6 +1,7 @@
 """Learning benchmark: the default run's reward curve, time to the first step, time to a mean reward of 0.8 (over
-10 steps), the final reward, wall time, and the steps that trained nothing (|loss| < 1e-6: every group's samples
-scored alike, so no gradient).
+10 steps), the final reward, wall time, and the steps that trained nothing: a gradient norm of 0 (every group's
+samples scored alike, so every advantage was 0). Not the loss: on-policy, the token-mean loss of zero-mean advantages
+is 0 whenever every response has the same length, while its gradient is not.
 
     .venv/bin/python bench/bench_learning.py [--steps 200] [--name learning] [OVERRIDE ...]
 
@@ -38,7 +39,7 @@ def main() -> None:
                "first_step_s": run["first_step_s"],
                "step_at_0.8": reached["step"] if reached else None,
                "elapsed_at_0.8_s": reached["time/elapsed"] if reached else None,
-               "steps_without_gradient": sum(abs(r["loss"]) < 1e-6 for r in rows), "wall_s": run["wall_s"]}
+               "steps_without_gradient": sum(r["train/grad_norm"] == 0 for r in rows), "wall_s": run["wall_s"]}
     print(table(list(summary), [list(summary.values())]))
     (OUT / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
 
