@@ -78,6 +78,8 @@ def test_killed_server_batch_is_resent_and_server_restarted_with_current_weights
     for group in groups:  # SGLang's scheduler and detokenizer included
         wait_for(lambda group=group: not processes_in(group), f"server process group {group} to end")
     assert not temporary.exists()
+    # stopped by rlfw, not crashed: SGLang's crash diagnostics (5 s of sleep in every stop) stay off
+    assert "before crash diagnostics" not in (workdir / "sglang_server.log").read_text()
 
 
 def test_server_not_healthy_in_time_fails_naming_it_and_is_stopped(shared_ray, tmp_path):

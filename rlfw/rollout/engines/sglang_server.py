@@ -75,6 +75,12 @@ def server_gpus(gpus_per_engine: int, colocated: bool, index: int, node_gpus: in
     return 0, ["--base-gpu-id", str(index * gpus_per_engine % node_gpus)]
 
 
+# rlfw stops and restarts its servers itself (SIGTERM to the process group). SGLang takes the SIGTERM of its scheduler
+# for a crash and sleeps 5 s before its crash diagnostics (py-spy dumps, CUDA core dumps; 60 s more for the latter):
+# off for servers rlfw launches, unless the environment rlfw runs in sets them.
+CRASH_DIAGNOSTICS_OFF = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
+
 class ServerProcess:
     """One server process and its log file; run it as a Ray actor (see ``SGLangEngine``)."""
 
@@ -96,7 +102,7 @@ class ServerProcess:
             log.flush()
             self._process = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "TMPDIR": self._tmp},
+                env={**CRASH_DIAGNOSTICS_OFF, **os.environ, "TMPDIR": self._tmp},
             )
         return self._process.pid
 
