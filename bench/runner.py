@@ -53,6 +53,6 @@ def read_jsonl(path: Path) -> List[Dict]:
 
 def table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     cells = [[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     line = lambda values: "| " + " | ".join(v.rjust(w) for v, w in zip(values, widths)) + " |"  # noqa: E731
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
