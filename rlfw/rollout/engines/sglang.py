@@ -10,7 +10,8 @@ spreads requests over the engines, so one engine is one server:
   ``<workdir>/sglang_server.log``; a server that is not healthy within ``startup_timeout_s`` is an error naming
   the engine, its URL and the log's last lines. With ``cluster.placement=colocated`` the server shares the trainers'
   GPUs instead of holding its own in Ray's books (``sglang_server.server_gpus``), within its
-  ``--mem-fraction-static``: unlike the local engine it keeps its memory while the trainers train.
+  ``--mem-fraction-static``: unlike the local engine it keeps its memory while the trainers train. The server's
+  process, its actor and their checks are ``sglang_server.LaunchedServer``'s.
 * Attach mode: the server at ``urls[i]`` runs already, started by someone else; ``router_url``, if set, carries
   the generation requests (weights still go to every server, through its own engine).
 * Weights go through the filesystem (``weight_sync=disk``): ``update_weights`` writes an HF checkpoint under
@@ -51,8 +52,6 @@ from typing import Any
 import ray
 import torch
 from omegaconf import OmegaConf
-from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from rlfw.cluster.address import host_port, resolve
@@ -70,10 +69,9 @@ from rlfw.rollout.engines.sglang_client import (
     SGLangClient,
     request_seeds,
 )
-from rlfw.rollout.engines.sglang_server import ServerProcess, launch_argv, port_taken, server_gpus
+from rlfw.rollout.engines.sglang_server import LaunchedServer, wait_healthy
 from rlfw.rollout.types import Generation, PartialResponse, SamplingParams
 
-HEALTH_POLL_S = 1.0
 GENERATE_POLL_S = 0.05  # how often a generate call looks for a weight push while its /generate runs
 
 
@@ -124,8 +122,6 @@ class SGLangEngine(Engine):
         self.host = resolve(host, joined)  # the cluster.host rule, resolved on this engine's node
         self.workdir = Path(workdir).resolve()
         self.weights_dir = (Path(cfg.weights_dir) / f"engine_{index}" if cfg.weights_dir else self.workdir).resolve()
-        self.cpus_per_engine = cpus_per_engine
-        self.colocated = colocated  # launch mode: the server shares the trainers' GPUs (cluster.placement=colocated)
         self.launch = not cfg.urls
         # auto: a launched server is on this node, an attached one may be anywhere
         self.tensor_sync = cfg.weight_sync == "tensor" or (cfg.weight_sync == "auto" and self.launch)
@@ -141,8 +137,10 @@ class SGLangEngine(Engine):
         self.weight_version: int | None = None
         self._checkpoint: Path | None = None
         self._state: dict[str, torch.Tensor] | None = None  # tensor pushes: the weights last pushed
-        self._process: Any = None  # launch mode: the ServerProcess actor, once started
-        self._gpus, self._gpu_args = 0, []  # launch mode: its actor's Ray GPUs, the flags placing it on the node's
+        self._launched = (
+            LaunchedServer(self.name, cfg, index, self.host, self.server, self.log_path, cpus_per_engine, colocated)
+            if self.launch else None
+        )
         self.server_pid: int | None = None  # launch mode: the last server process started
         self._paused = False  # the server was paused to take a push, and is to continue once loaded
         self._model_checked = self.launch  # attach mode: the server's model is checked before the first push
@@ -291,17 +289,8 @@ class SGLangEngine(Engine):
 
     def shutdown(self) -> None:
         """Stop the launched server (its whole process group) and its actor."""
-        if self._process is not None:
-            try:
-                ray.get(self._process.stop.remote(), timeout=self.cfg.control_timeout_s + 30)
-            except RayActorError:
-                pass  # the actor died, and Ray ended its server with it
-            except Exception as e:  # noqa: BLE001  (never placed, hung, or its server would not die: the kill ends it)
-                print(f"{self.name}: stopping its server failed ({type(e).__name__}: {e}); killing its actor",
-                      file=sys.stderr, flush=True)
-            finally:
-                ray.kill(self._process)
-                self._process = None
+        if self._launched is not None:
+            self._launched.stop()
 
     # --- the server ------------------------------------------------------------------------------------------
 
@@ -316,7 +305,7 @@ class SGLangEngine(Engine):
             self._state = state
         self.weight_version = version
         try:
-            if self.launch and self._process is None:
+            if self._launched is not None and not self._launched.placed:
                 self._start_server()
                 return
             try:
@@ -328,7 +317,7 @@ class SGLangEngine(Engine):
                 if self.launch:
                     self._start_server()
                 else:
-                    self._wait_healthy(f"after a failed weight update ({e.reason})")
+                    wait_healthy(self.server, self.name, self.cfg, f"after a failed weight update ({e.reason})")
                     self._push_weights()
         except BaseException:
             self._checkpoint, self._state, self.weight_version = held
@@ -375,13 +364,10 @@ class SGLangEngine(Engine):
     def _serving_error(self) -> str | None:
         """None when the server can take the batch again (given the current weights if it lost them); else why
         not."""
-        if self._process is not None:
-            try:
-                exit_code = ray.get(self._process.returncode.remote(), timeout=self.cfg.control_timeout_s)
-            except GetTimeoutError:
-                return f"{self.name}'s server-process actor did not answer within {self.cfg.control_timeout_s:g} s"
-            if exit_code is not None:
-                return f"{self.name} at {self.server.url} exited with code {exit_code}; {self._log_tail()}"
+        if self._launched is not None and self._launched.placed:
+            ended = self._launched.exit_error()
+            if ended is not None:
+                return ended
         for client in [self.server] + ([self.router] if self.router else []):
             error = client.health_error()
             if error is not None:
@@ -409,103 +395,7 @@ class SGLangEngine(Engine):
         if self._state is not None:  # tensor pushes: a checkpoint of the weights last pushed, to start from
             previous, self._checkpoint = self._checkpoint, self._write_checkpoint(self._state, self.weight_version)
             self._remove_checkpoint(previous, self._checkpoint)
-        if self._process is None:
-            node = ray.get_runtime_context().get_node_id()
-            self._gpus, self._gpu_args = server_gpus(self.cfg.gpus_per_engine, self.colocated, self.index,
-                                                    self._require_gpus(node))
-            self._process = (
-                ray.remote(ServerProcess)
-                .options(
-                    num_cpus=self.cpus_per_engine,
-                    num_gpus=self._gpus,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                )
-                .remote(self.name, str(self.log_path))
-            )
-        else:  # the previous server goes first: it holds the port
-            ray.get(self._process.stop.remote(), timeout=self.cfg.control_timeout_s + 30)
-        self._require_free_port()
-        argv = launch_argv(
-            list(self.cfg.launch_command),
-            str(self._checkpoint),
-            self.host,
-            self.cfg.base_port + self.index,
-            max(1, self.cfg.gpus_per_engine),
-            str(self.weight_version),
-            self.seed,
-            self._gpu_args + list(self.cfg.extra_args),
-        )
-        placing_s = self.cfg.startup_timeout_s + 60  # its actor waits for this node to have the GPUs it asks for
-        try:
-            self.server_pid = ray.get(self._process.start.remote(argv), timeout=placing_s)
-        except GetTimeoutError:
-            self.shutdown()  # the pending actor goes too: the next load starts a server afresh
-            raise RuntimeError(f"{self.name}: the actor of its server process (num_gpus={self._gpus} on "
-                               f"this node) did not start within {placing_s:g} s: are the node's GPUs taken?") from None
-        try:
-            self._wait_healthy("to start")
-        except Exception:
-            self.shutdown()  # nothing half-started stays behind
-            raise
-
-    def _require_free_port(self) -> None:
-        """Fails at once where another process listens on this server's port: SGLang would find out only once it
-        loaded the model, and meanwhile the engine would take whatever answers there (another run's server) for its
-        own, and push its weights to it. A server of ours that is ending may hold the port a moment longer."""
-        port = self.cfg.base_port + self.index
-        deadline = time.monotonic() + self.cfg.control_timeout_s
-        while (taken := port_taken(self.host, port)) is not None and time.monotonic() < deadline:
-            time.sleep(HEALTH_POLL_S)
-        if taken is not None:
-            self.shutdown()
-            raise RuntimeError(
-                f"{self.name} cannot start its server on {host_port(self.host, port)}: the port is in use ({taken}), "
-                f"by another server or program; rollout.sglang.base_port={self.cfg.base_port} gives engine i the "
-                f"port base_port + i: set it to the first of rollout.num_engines free ports"
-            )
-
-    def _require_gpus(self, node: str) -> int:
-        """This node's GPUs in Ray; fails at once, naming the key, where the server's actor could never be placed
-        (Ray would wait for GPUs this node does not have)."""
-        wanted = self.cfg.gpus_per_engine
-        has = next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == node), 0)
-        if wanted > has:
-            raise RuntimeError(
-                f"{self.name}: rollout.sglang.gpus_per_engine={wanted} but this node has {has:g} GPUs in Ray; on CPU "
-                "set rollout.sglang.gpus_per_engine=0 with a CPU build of SGLang (`make run ARGS=\"rollout=sglang\"` "
-                "sets one up), or run on a node with GPUs"
-            )
-        return int(has)
-
-    def _wait_healthy(self, why: str) -> None:
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
-        error = "not checked yet"
-        while time.monotonic() < deadline:
-            if self._process is not None:
-                exit_code = ray.get(self._process.returncode.remote(), timeout=self.cfg.control_timeout_s)
-                if exit_code is not None:
-                    raise RuntimeError(
-                        f"{self.name} at {self.server.url} exited with code {exit_code} while waiting {why}: see "
-                        "its log; its command line (the log's first line) is rollout.sglang.launch_command with "
-                        f"rlfw's flags and rollout.sglang.extra_args; {self._log_tail()}"
-                    )
-            error = self.server.health_error(timeout_s=max(0.1, min(self.cfg.control_timeout_s,
-                                                                     deadline - time.monotonic())))
-            if error is None:
-                return
-            time.sleep(max(0.0, min(HEALTH_POLL_S, deadline - time.monotonic())))
-        tail = f"; {self._log_tail()}" if self._process is not None else ""
-        raise RuntimeError(
-            f"{self.name} at {self.server.url} did not become healthy within rollout.sglang.startup_timeout_s="
-            f"{self.cfg.startup_timeout_s}s while waiting {why} (last check: {error}){tail}"
-        )
-
-    def _log_tail(self) -> str:
-        try:
-            tail = ray.get(self._process.log_tail.remote(), timeout=self.cfg.control_timeout_s)
-        except (GetTimeoutError, RayActorError) as e:
-            return f"its log {self.log_path} could not be read ({type(e).__name__})"
-        return f"last lines of {self.log_path}:\n{tail}"
+        self.server_pid = self._launched.start(str(self._checkpoint), str(self.weight_version), self.seed)
 
 
 class _Sample(PartialResponse):
