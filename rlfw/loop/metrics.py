@@ -67,5 +67,31 @@ def log_skips(loggers, step: int, results: Dict[int, List[Dict[str, Any]]], role
         loggers.event("nonfinite_skip", step, **_marked(role), quantity=quantity, optimizer_steps=count)
 
 
+class SignalWatch:
+    """Says when the policy has learned nothing for ``steps`` steps in a row: its gradient norm was 0 in each (every
+    advantage 0). The run then spends its time and learns nothing, and nothing fails, so an event says so
+    (``no_learning_signal``, on the console and in every logger), once per such stretch, with the share of the last
+    step's groups whose samples scored alike. Usual causes: a policy that samples one response per prompt (collapsed;
+    from random initialisation, a learning rate too high for the model's width does it in a step or two,
+    BENCHMARKS.md), or a reward that cannot tell the samples apart."""
+
+    def __init__(self, steps: int = 3) -> None:
+        self.steps = steps
+        self._without = 0  # steps in a row without a gradient
+
+    def observe(self, loggers, step: int, metrics: Dict[str, float], grad_norm_key: str) -> None:
+        norm = metrics.get(grad_norm_key)
+        if norm is None:  # nothing trained this step (every cell lost it): no verdict
+            return
+        self._without = self._without + 1 if norm == 0 else 0
+        if self._without == self.steps:
+            groups = metrics.get("rollout/num_groups", 0)
+            loggers.event("no_learning_signal", step, steps=self.steps,
+                          zero_variance_share=metrics.get("rollout/zero_variance_groups", 0) / groups if groups else None,
+                          reason=f"the policy's gradient was 0 in the last {self.steps} steps (every advantage 0): "
+                          "each group's samples scored alike; a policy that samples one response per prompt (a "
+                          "learning rate too high for the model) or a reward that cannot tell them apart")
+
+
 def _marked(role: Role) -> Dict[str, str]:
     return {"role": role.event_role} if role.event_role else {}

@@ -18,7 +18,7 @@ from rlfw.checkpoint.partial import PartialStep
 from rlfw.ft.errors import BelowMinCellsError, StateLostError
 from rlfw.ft.goodput import GoodputMeter
 from rlfw.loop.ledger import Ledger, check_exactly_once, trained_sample_ids, verify_replicas_equal
-from rlfw.loop.metrics import log_events, log_skips, role_metrics
+from rlfw.loop.metrics import SignalWatch, log_events, log_skips, role_metrics
 from rlfw.loop.prepare import plan_split, prepare_step
 from rlfw.loop.recovery import restore_last_state, save_below_min
 from rlfw.loop.roles import Role
@@ -46,6 +46,7 @@ class RLLoop:
         self.restores = 0
         self.queue = RolloutQueue(manager, max_staleness(cfg), cfg.num_steps, cfg.rollout.step_timeout_s)
         self.ledger = Ledger(run_dir)
+        self.signal = SignalWatch()
 
     def run(self, resumed: Optional[PartialStep] = None) -> Dict[str, float]:
         """Steps ``start_step`` .. ``num_steps - 1``; ``resumed``: the step a save below ft.min_cells interrupted,
@@ -103,6 +104,7 @@ class RLLoop:
             log_events(self.loggers, self.meter, self.step, role.group.drain_events(), role)
             log_skips(self.loggers, self.step, results[role.name], role)
         self.log(metrics, current.examples, t0, t3 - t2)
+        self.signal.observe(self.loggers, self.step, metrics, self.policy.train_key("grad_norm"))
         if self.checkpointer is not None:
             self.checkpointer.maybe_save(self.step, final=self.step == self.cfg.num_steps - 1)
         return metrics
