@@ -77,7 +77,7 @@ class SGLangConfig:
     retry_backoff_s: float = 1.0  # wait before retry k: retry_backoff_s * 2**(k-1)
     weights_dir: Optional[str] = None  # checkpoints the servers load (they must see it); None = each engine's workdir
     # disk: HF checkpoint + /update_weights_from_disk; tensor: shared memory + /update_weights_from_tensor (the server
-    # on the engine's node); auto: tensor for launched servers, disk for attached ones (distributed: not implemented)
+    # on the engine's node; slower than the disk on CPU and GPU alike, BENCHMARKS.md); distributed: not implemented
     weight_sync: str = "disk"
 
 

@@ -297,11 +297,11 @@ def _check_vllm(cfg, num_devices: int | None) -> None:
 
 def _check_sglang(sglang, num_engines: int) -> None:
     """rollout.sglang: attach (urls, optionally a router in front of them) or launch (num_engines servers)."""
-    _choice("rollout.sglang.weight_sync", sglang.weight_sync, {"disk", "tensor", "auto", "distributed"})
+    _choice("rollout.sglang.weight_sync", sglang.weight_sync, {"disk", "tensor", "distributed"})
     if sglang.weight_sync == "distributed":
         raise ConfigError(
-            "rollout.sglang.weight_sync=distributed (NCCL broadcast to the servers) is not implemented; use disk, "
-            "tensor (servers on the engines' nodes) or auto"
+            "rollout.sglang.weight_sync=distributed (NCCL broadcast to the servers) is not implemented; use disk "
+            "or tensor (servers on the engines' nodes)"
         )
     for url in sglang.urls:
         _check_url("rollout.sglang.urls", url)

@@ -259,6 +259,7 @@ def test_sglang_config_is_accepted():
         (["rollout.sglang.urls=[http://127.0.0.1:1,http://127.0.0.1:2]"], "rollout.num_engines"),
         (["rollout.sglang.router_url=http://127.0.0.1:29000"], "rollout.sglang.router_url"),
         (["rollout.sglang.weight_sync=distributed"], "rollout.sglang.weight_sync"),
+        (["rollout.sglang.weight_sync=auto"], "rollout.sglang.weight_sync"),
         (["rollout.sglang.base_port=65535", "rollout.num_engines=2"], "rollout.sglang.base_port"),
         (["rollout.sglang.startup_timeout_s=0"], "rollout.sglang.startup_timeout_s"),
         (["rollout.sglang.max_retries=-1"], "rollout.sglang.max_retries"),

@@ -16,7 +16,7 @@ spreads requests over the engines, so one engine is one server:
   the generation requests (weights still go to every server, through its own engine).
 * Weights go through the filesystem (``weight_sync=disk``): ``update_weights`` writes an HF checkpoint under
   ``weights_dir`` (which the server must see) and calls ``/update_weights_from_disk`` with the version. Or, for a
-  server on this engine's node (``tensor``; ``auto`` picks it for launched servers), as tensors in shared memory
+  server on this engine's node (``tensor``, slower than the disk wherever measured), as tensors in shared memory
   through ``/update_weights_from_tensor``: the server maps the pages and copies them into its parameters; a
   checkpoint is written only for a server to start (or restart) from, and the engine keeps the last weights for
   that. NCCL (``/init_weights_update_group`` + ``/update_weights_from_distributed``) is not implemented.
@@ -109,9 +109,9 @@ class SGLangEngine(Engine):
         joined: bool = False,
         colocated: bool = False,
     ) -> None:
-        if cfg.weight_sync not in ("disk", "tensor", "auto"):
+        if cfg.weight_sync not in ("disk", "tensor"):
             raise NotImplementedError(
-                f"rollout.sglang.weight_sync={cfg.weight_sync!r}: disk, tensor and auto are implemented; NCCL pushes "
+                f"rollout.sglang.weight_sync={cfg.weight_sync!r}: disk and tensor are implemented; NCCL pushes "
                 "(distributed) are not"
             )
         self.cfg = cfg
@@ -123,8 +123,7 @@ class SGLangEngine(Engine):
         self.workdir = Path(workdir).resolve()
         self.weights_dir = (Path(cfg.weights_dir) / f"engine_{index}" if cfg.weights_dir else self.workdir).resolve()
         self.launch = not cfg.urls
-        # auto: a launched server is on this node, an attached one may be anywhere
-        self.tensor_sync = cfg.weight_sync == "tensor" or (cfg.weight_sync == "auto" and self.launch)
+        self.tensor_sync = cfg.weight_sync == "tensor"
         if not self.launch and index >= len(cfg.urls):
             raise ValueError(f"SGLang engine {index} has no server: rollout.sglang.urls lists {len(cfg.urls)}")
         url = f"http://{host_port(self.host, cfg.base_port + index)}" if self.launch else cfg.urls[index]
