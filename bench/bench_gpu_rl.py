@@ -42,11 +42,12 @@ COMMON = ["cluster.device=cuda", "task.length=64", "+task.min_length=2", "rollou
           "rollout.n_samples_per_prompt=8", "algo.max_tokens_per_microbatch=16384", "algo.lr=1e-4",
           "logger=jsonl", "checkpoint.save_final=false", "ft.verify_weights_every=5"]
 # rollout=sglang: a stock SGLang server (bench/carry/build_sglang.sh, unpacked into /tmp/sglang-site by its
-# install_sglang.sh) on the GPU, its PYTHONPATH that folder alone; triton attention and torch sampling, no FlashInfer
+# install_sglang.sh) on the GPU, its PYTHONPATH that folder alone; triton attention and torch sampling, no FlashInfer.
+# A quarter of the free memory: with half, two colocated cells' training peaks (27.7 GiB each) did not fit an H100
 SGLANG = ["rollout=sglang",
           "rollout.sglang.launch_command=[env,'PYTHONPATH=/tmp/sglang-site','{python}',-m,sglang.launch_server]",
           "rollout.sglang.extra_args=[--attention-backend,triton,--sampling-backend,pytorch,--dtype,bfloat16,"
-          "--mem-fraction-static,0.5]", "rollout.sglang.startup_timeout_s=300"]
+          "--mem-fraction-static,0.25]", "rollout.sglang.startup_timeout_s=300"]
 ROWS = {
     # two one-rank cells on the GPU with the engine, memory handed over; cell 1 SIGKILLed inside step 3's backward
     "colocated_2cells_kill": ["dp=cells", "dp.num_cells=2", "cluster.gpus_per_worker=0.5",
