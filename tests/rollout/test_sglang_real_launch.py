@@ -18,7 +18,7 @@ import requests
 
 from rlfw.rollout.engines.sglang import SGLangEngine
 from test_sglang_engine import EOS, PROMPTS, SHAPE, STATE_A, STATE_B, assert_same, free_ports, reference, wait_for
-from test_sglang_real_server import CPU_FLAGS, LONG, real_launch_cfg, slowed_down
+from test_sglang_real_server import LONG, real_launch_cfg, slowed_down
 
 pytestmark = pytest.mark.e2e
 
@@ -99,16 +99,13 @@ def test_server_not_healthy_in_time_fails_naming_it_and_is_stopped(shared_ray, t
     wait_for(lambda: not processes_in(engine.server_pid), "the server's processes to end")
 
 
-@pytest.mark.parametrize("launch,code,logged", [
-    ({"extra_args": [*CPU_FLAGS, "--no-such-flag"]}, 2, "unrecognized arguments: --no-such-flag"),
-    # The default command (this interpreter), where SGLang is not installed: rollout=sglang without its environment.
-    ({"launch_command": ["{python}", "-m", "sglang.launch_server"]}, 1, "No module named 'sglang'"),
-], ids=["bad-flag", "not-installed"])
-def test_server_that_exits_at_start_fails_with_its_log(shared_ray, tmp_path, launch, code, logged):
-    engine = SGLangEngine(real_launch_cfg(free_ports(1), **launch), SHAPE, EOS, 0, 0, "127.0.0.1",
-                          tmp_path / "engine_0")
-    with pytest.raises(RuntimeError, match=rf"(?s)exited with code {code} while waiting to start: see its log; its "
+def test_server_that_exits_at_start_fails_with_its_log(shared_ray, tmp_path):
+    """The default command (this interpreter), where SGLang is not installed: rollout=sglang without its environment.
+    (Any exit at start takes this path; a bad flag in extra_args would too, after 10 s of SGLang's imports.)"""
+    engine = SGLangEngine(real_launch_cfg(free_ports(1), launch_command=["{python}", "-m", "sglang.launch_server"]),
+                          SHAPE, EOS, 0, 0, "127.0.0.1", tmp_path / "engine_0")
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 1 while waiting to start: see its log; its "
                                            r"command line .* is rollout\.sglang\.launch_command .*rollout\.sglang\."
-                                           rf"extra_args; last lines of .*sglang_server\.log.*{logged}"):
+                                           r"extra_args; last lines of .*sglang_server\.log.*No module named 'sglang'"):
         engine.update_weights(STATE_A, version=1)
     assert engine.weight_version is None
