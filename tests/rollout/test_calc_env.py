@@ -50,10 +50,13 @@ def test_partial_credit_and_what_a_wrong_call_earns(env):
     prompt = env.sample_prompts(1, 0, np.random.default_rng(4))[0]
     expression = words_of(env, prompt.token_ids)[1:-1]
     target = words_of(env, prompt.target)
-    # An answer without calling: all digits but the last, then a stop.
+    # An answer without calling earns only as the whole sum and the stop: all digits but the last earn nothing.
     episode = Episode(prompt, env.start(prompt))
-    assert turn(env, episode, [*target[:-1], "9" if target[-1] != "9" else "8", "<eos>"]) == Done(
-        pytest.approx(0.4 * (len(target) - 1) / len(target) + 0.1))
+    assert turn(env, episode, [*target[:-1], "9" if target[-1] != "9" else "8", "<eos>"]) == Done(0.0)
+    episode = Episode(prompt, env.start(prompt))
+    assert turn(env, episode, [*target, "<eos>"]) == Done(pytest.approx(0.5))
+    episode = Episode(prompt, env.start(prompt))
+    assert turn(env, episode, target, finish="length") == Done(0.0)
     # A call with one operand digit wrong reaches the tool; the answer ran out of tokens (no stop credit).
     episode = Episode(prompt, env.start(prompt))
     wrong = [*expression[:3], "0" if expression[3] != "0" else "1"]

@@ -18,7 +18,10 @@ an error observation. Any other turn is the final answer and ends the episode. R
 * ``STOP_WEIGHT`` when the final answer is exactly D + 1 words and then ``<eos>``.
 
 An answer right after a call the tool could not answer (malformed, or no tool) scores only the call: it is a
-guess, and its random digits would drown the signal of the call's digits while the policy learns to call.
+guess, and its random digits would drown the signal of the call's digits while the policy learns to call. An answer
+without any call earns only when it is the whole sum and the stop (``ANSWER_WEIGHT + STOP_WEIGHT``): credit per
+digit there paid for guessing the sum's leading digit (0 or 1) and stopping, 0.23 that no call could beat before the
+policy had learned to copy the operands, and every policy settled there (BENCHMARKS.md).
 
 The design aims at a task the tiny model learns from scratch: the call is the copy task (the prompt's digits at
 one fixed offset) and the answer another copy (the tool's digits), each with partial credit per position. It does
@@ -107,7 +110,10 @@ class CalcEnv(ToolEnvironment):
             return Done(self.cut_off(episode))
         target = self._tokenizer.convert_ids_to_tokens(episode.prompt.target)
         stops = len(words) == len(target) and episode.last_finish == "stop"
-        return Done(self.cut_off(episode) + ANSWER_WEIGHT * _matched(words, target) + STOP_WEIGHT * stops)
+        matched = _matched(words, target)
+        if not episode.tools:  # answered without a call: the whole sum or nothing
+            return Done((ANSWER_WEIGHT + STOP_WEIGHT) * (matched == 1 and stops))
+        return Done(self.cut_off(episode) + ANSWER_WEIGHT * matched + STOP_WEIGHT * stops)
 
     def cut_off(self, episode: Episode) -> float:
         return episode.state["call"]
