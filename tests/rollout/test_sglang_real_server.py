@@ -215,6 +215,26 @@ def test_weights_pushed_mid_generation_continue_the_requests_under_them(real_ser
     assert continued, f"no response went on across the push: {[g.token_versions for g in generations]}"
 
 
+def test_without_partial_rollouts_a_push_waits_for_the_call_under_way(real_server, tmp_path):
+    """rollout.sglang.partial_rollouts=false: weights v2 pushed while v1 generates load once the call has ended, so
+    every token of the call is v1's, exactly as v1 generates them (greedy); the push returns after the call, and
+    the server then holds v2."""
+    engine = attached(tmp_path, real_server["url"], partial_rollouts=False)
+    engine.update_weights(STATE_A, version=1)
+    with slowed_down(real_server["url"], real_server["log"]) as running, ThreadPoolExecutor(2) as threads:
+        call = threads.submit(engine.generate, PROMPTS, LONG)
+        running()
+        push = threads.submit(engine.update_weights, STATE_B, 2)
+        generations = call.result(timeout=300)
+        push.result(timeout=300)
+
+    old = reference(STATE_A, PROMPTS, LONG)
+    assert [g.response_ids for g in generations] == [o.response_ids for o in old]
+    assert all(g.token_versions == [1] * len(g.response_ids) for g in generations)
+    assert engine.weight_version == 2
+    assert requests.get(real_server["url"] + "/model_info", timeout=10).json()["weight_version"] == "2"
+
+
 def test_requests_aborted_by_someone_else_go_on_from_their_tokens(real_server, tmp_path):
     """A pause the engine did not ask for (an operator's) aborts its requests: they keep the tokens they got and are
     sent again from there, under the same weights, once the server continues: the greedy answer is unchanged."""

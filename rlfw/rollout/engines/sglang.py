@@ -28,7 +28,8 @@ spreads requests over the engines, so one engine is one server:
   loads the checkpoint, continues the server, and sends every unfinished sample again as its prompt plus its tokens
   so far, for the tokens it has left, with its own seed. Each token records its version. Through a router a push
   waits for the call under way instead: pausing this engine's server would abort the requests other engines routed
-  there, and this engine's requests may be running on other servers.
+  there, and this engine's requests may be running on other servers. So does every push with
+  ``partial_rollouts=false``.
 * A failed request (or one the server aborted without a push: someone else paused it) is sent again with
   exponential backoff, ``max_retries`` times, each sample from the tokens it got. When the server is dead (its
   process exited, or it fails its health check), or keeps failing, the engine stops it and leaves (its actor
@@ -257,7 +258,7 @@ class SGLangEngine(Engine):
         while not futures.wait([answer], timeout=GENERATE_POLL_S).done:
             if time.monotonic() > deadline:
                 raise ServerError(client.url, f"/generate did not answer within {self.cfg.request_timeout_s}s")
-            if self.router is None and self._handoff.take(before=self._pause):
+            if self.router is None and self.cfg.partial_rollouts and self._handoff.take(before=self._pause):
                 interrupted = True
                 if self._paused:
                     self._paused = False
