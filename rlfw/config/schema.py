@@ -81,8 +81,7 @@ class SGLangConfig:
     weight_sync: str = "disk"
     # A push during a generate call: true aborts the call's requests, loads and sends them on from their tokens under
     # the new weights (partial rollouts); false loads once the call ends, so a call's tokens all come from one
-    # version. With loop=async, false lets the next step's rollout finish on the weights it started with: where the
-    # server samples no token before the push arrives, true would sample it all again (BENCHMARKS.md).
+    # version (as through a router), and none is sampled twice
     partial_rollouts: bool = True
 
 
