@@ -13,6 +13,12 @@ the divergence that token t still influences. (A per-sample KL sum would charge 
 came after.) With the penalty on, the ``advantage`` column holds a list per response token; without it, one float
 per sample.
 
+**Turn-level credit** (``algo.turn_discount``, GRPO and RLOO): an episode's reward is the sum of its turns' rewards
+(``rlfw.rollout.envs.base``). By default every policy token is credited with that sum. With a discount g set, the
+tokens of turn k are credited with the turn's return ``r_k + g r_(k+1) + g^2 r_(k+2) ...``, its baseline taken
+among the episodes of the same prompt that reached turn k: g = 1 credits a turn with what it and the turns after it
+earned, g = 0 with its own reward only. One-turn episodes get the sequence-level advantage whatever g.
+
 Adding an estimator (e.g. ``ppo`` with GAE over critic values) is one function from ``AdvantageInputs`` to
 advantages and one ``ESTIMATORS`` entry; ``validate`` and the ``conf/algo`` files read the registry.
 """
@@ -46,6 +52,8 @@ class AdvantageInputs:
     response_lengths: np.ndarray  # [N] response tokens per sample
     token_rewards: list[np.ndarray] | None = None  # per response token, added as rewards-to-go (KL penalty)
     values: list[list[float]] | None = None  # per response token, the critic's V(s_t) (ppo)
+    turn_rewards: list[list[float]] | None = None  # per sample, each policy turn's reward (turn-level credit)
+    token_turns: list[list[int]] | None = None  # per response token, the turn it belongs to
 
 
 @dataclass(frozen=True)
@@ -100,16 +108,46 @@ def as_column(values: Sequence) -> Advantages:
     return [float(v) if np.ndim(v) == 0 else [float(x) for x in v] for v in values]
 
 
+def turn_returns(turn_rewards: Sequence[float], discount: float) -> np.ndarray:
+    """Per turn, its reward plus the later turns' discounted by ``discount`` per turn."""
+    returns = np.zeros(len(turn_rewards))
+    following = 0.0
+    for k in range(len(turn_rewards) - 1, -1, -1):
+        following = returns[k] = turn_rewards[k] + discount * following
+    return returns
+
+
+def per_turn(inputs: AdvantageInputs, discount: float,
+             baseline: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> list[np.ndarray] | np.ndarray:
+    """Per sample, each response token's advantage: its turn's return (``turn_returns``) against ``baseline`` among
+    the samples of its group that reached that turn. Without several turns in the batch: ``baseline`` of the
+    sequence rewards, one float per sample (the sequence-level advantage, which it equals then)."""
+    if inputs.turn_rewards is None or max(map(len, inputs.turn_rewards), default=0) <= 1:
+        return baseline(inputs.rewards, inputs.group_ids)
+    returns = [turn_returns(r, discount) for r in inputs.turn_rewards]
+    by_turn = [np.zeros(len(r)) for r in returns]
+    for k in range(max(map(len, returns))):
+        reached = [i for i, r in enumerate(returns) if len(r) > k]
+        centred = baseline(np.asarray([returns[i][k] for i in reached]), inputs.group_ids[reached])
+        for i, value in zip(reached, centred):
+            by_turn[i][k] = value
+    return [a[np.asarray(turns, dtype=np.int64)] for a, turns in zip(by_turn, inputs.token_turns)]
+
+
 # ------------------------------------------------------------------------------------------------- estimators
 def grpo_advantages(inputs: AdvantageInputs, algo: AlgoConfig) -> Advantages:
     """GRPO: (r - group mean) / group std; Dr. GRPO without the std (``algo.normalize_adv_std=false``)."""
-    sequence = group_mean_baseline(inputs.rewards, inputs.group_ids, algo.normalize_adv_std)
+    baseline = lambda r, g: group_mean_baseline(r, g, algo.normalize_adv_std)  # noqa: E731
+    sequence = baseline(inputs.rewards, inputs.group_ids) if algo.turn_discount is None else \
+        per_turn(inputs, algo.turn_discount, baseline)
     return as_column(add_rewards_to_go(sequence, inputs.token_rewards))
 
 
 def rloo_advantages(inputs: AdvantageInputs, algo: AlgoConfig) -> Advantages:
     """RLOO: r - mean of the other samples of the same prompt."""
-    return as_column(add_rewards_to_go(leave_one_out_baseline(inputs.rewards, inputs.group_ids), inputs.token_rewards))
+    sequence = leave_one_out_baseline(inputs.rewards, inputs.group_ids) if algo.turn_discount is None else \
+        per_turn(inputs, algo.turn_discount, leave_one_out_baseline)
+    return as_column(add_rewards_to_go(sequence, inputs.token_rewards))
 
 
 def reinforce_pp_advantages(inputs: AdvantageInputs, algo: AlgoConfig) -> Advantages:
@@ -138,6 +176,8 @@ ESTIMATORS: dict[str, Estimator] = {
     ),
     "ppo": Estimator(ppo_advantages, {}, lambda algo: False),
 }
+# Estimators that take turn-level credit (algo.turn_discount): those whose baseline is the prompt group's.
+TURN_CREDIT_ESTIMATORS = ("grpo", "rloo")
 # Options that belong to some estimators only; the others must leave them null.
 ESTIMATOR_OPTIONS = tuple(sorted({option for e in ESTIMATORS.values() for option in e.options}))
 
@@ -161,5 +201,6 @@ def compute_advantages(batch: RolloutBatch, algo: AlgoConfig) -> tuple[Advantage
         stats["reward/kl"] = float(kl.mean()) if kl.size else 0.0
         token_rewards = np.split(-algo.kl_reward_coef * kl, np.cumsum(lengths)[:-1])
     inputs = AdvantageInputs(rewards, np.asarray(batch.samples["group_id"]), lengths, token_rewards,
-                             batch.samples.get("old_values"))
+                             batch.samples.get("old_values"), batch.samples.get("turn_rewards"),
+                             batch.samples.get("token_turns"))
     return ESTIMATORS[algo.name].compute(inputs, algo), stats

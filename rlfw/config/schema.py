@@ -181,6 +181,9 @@ class AlgoConfig:
     gamma: Optional[float] = None  # ppo only: GAE discount per response token, in [0, 1]; ppo.yaml: 1.0
     gae_lambda: Optional[float] = None  # ppo only: GAE lambda, in [0, 1]; ppo.yaml: 0.95
     critic: CriticConfig = field(default_factory=CriticConfig)  # ppo only: the value model
+    # grpo, rloo: turn-level credit, in [0, 1]: a turn's tokens earn its reward plus the later turns' discounted by
+    # this per turn (rlfw.algo.advantages); None = every token earns the episode's reward (task=calc: 0.0)
+    turn_discount: Optional[float] = None
     clip_eps_low: float = 0.2  # ratio clipped to [1 - clip_eps_low, 1 + clip_eps_high]
     clip_eps_high: float = 0.2
     dual_clip_c: float = 0.0  # > 1: cap the loss of A < 0 tokens at -A * c (dual clip, e.g. 3); 0 = off

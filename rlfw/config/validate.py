@@ -8,7 +8,7 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig
 
-from rlfw.algo.advantages import ESTIMATOR_OPTIONS, ESTIMATORS
+from rlfw.algo.advantages import ESTIMATOR_OPTIONS, ESTIMATORS, TURN_CREDIT_ESTIMATORS
 from rlfw.algo.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlfw.cluster.address import AddressError, check_rule
 from rlfw.cluster.labels import parse_labels
@@ -362,6 +362,12 @@ def _validate_algo_options(cfg) -> None:
             f"rollout.n_samples_per_prompt={cfg.rollout.n_samples_per_prompt}: algo.name={algo.name!r} compares "
             f"samples of one prompt, so it needs at least 2 (with 1 every advantage is 0)"
         )
+    if algo.turn_discount is not None:
+        if algo.name not in TURN_CREDIT_ESTIMATORS:
+            raise ConfigError(f"algo.turn_discount={algo.turn_discount} does not apply to algo.name={algo.name!r} "
+                              f"(only to {list(TURN_CREDIT_ESTIMATORS)})")
+        if not 0 <= algo.turn_discount <= 1:
+            raise ConfigError(f"algo.turn_discount={algo.turn_discount} must be in [0, 1], or null for none")
     _choice("algo.loss_agg", algo.loss_agg, set(LOSS_AGGREGATIONS))
     _choice("algo.kl_estimator", algo.kl_estimator, set(KL_ESTIMATORS))
     _choice("algo.on_nonfinite", algo.on_nonfinite, {"stop", "skip"})

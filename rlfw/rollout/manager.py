@@ -204,7 +204,7 @@ class RolloutManager:
     def _batch(self, groups: list[_Group], step: int, stride: int) -> RolloutBatch:
         columns: dict[str, list[Any]] = {k: [] for k in (
             "sample_id", "group_id", "tokens", "prompt_len", "loss_mask", "reward", "rollout_logprobs",
-            "rollout_versions", "partial_rollout", "truncated", "gen_seconds")}
+            "rollout_versions", "partial_rollout", "truncated", "gen_seconds", "turn_rewards", "token_turns")}
         for group in groups:
             for j, episode in enumerate(group.episodes):  # one sample per episode: the ledger's unit
                 columns["sample_id"].append(step * stride + group.first_position + j)
@@ -218,6 +218,8 @@ class RolloutManager:
                 columns["partial_rollout"].append(episode.partial)  # weights pushed inside one of its turns
                 columns["truncated"].append(episode.truncated)
                 columns["gen_seconds"].append(episode.seconds)
+                columns["turn_rewards"].append(episode.turn_rewards)  # the reward is their sum
+                columns["token_turns"].append(episode.token_turns)  # per response token: its turn
         return RolloutBatch(columns, {"step": step})
 
     def _stats(self, batch: RolloutBatch, counts: dict[str, int], surplus: int, gen_time: float) -> dict[str, float]:

@@ -1,5 +1,5 @@
-"""Advantage estimators (GRPO, RLOO, REINFORCE++) and the KL penalty in the reward, against values worked out by
-hand."""
+"""Advantage estimators (GRPO, RLOO, REINFORCE++), turn-level credit and the KL penalty in the reward, against
+values worked out by hand."""
 
 import math
 from pathlib import Path
@@ -162,3 +162,45 @@ def test_every_estimator_has_a_config_file_and_every_file_an_estimator():
     conf = Path(__file__).resolve().parents[2] / "conf" / "algo"
     assert {p.stem for p in conf.glob("*.yaml")} == set(ESTIMATORS)
     assert {"grpo", "rloo", "reinforce_pp"} <= set(ESTIMATORS)
+
+
+# ----------------------------------------------------------------------------------------------- turn-level credit
+# One group of three episodes: the third answered in one turn. Per response token, its turn (the first episode's
+# third token is the observation that answered turn 0: it goes with turn 0, and the loss mask leaves it out).
+TURN_REWARDS = [[1.0, 0.0], [0.0, 1.0], [0.5]]
+TOKEN_TURNS = [[0, 0, 0, 1], [0, 0, 1, 1], [0, 0]]
+
+
+def turn_inputs(turn_rewards=TURN_REWARDS, token_turns=TOKEN_TURNS, groups=(1, 1, 1)):
+    return AdvantageInputs(np.asarray([sum(r) for r in turn_rewards]), np.asarray(groups),
+                           np.asarray([len(t) for t in token_turns]), turn_rewards=turn_rewards,
+                           token_turns=token_turns)
+
+
+def test_turn_credit_without_discount_credits_each_turn_with_its_own_reward_against_the_same_turn():
+    # turn 0: 1, 0, 0.5 (mean 0.5); turn 1: 0, 1 among the two episodes that took it (mean 0.5)
+    algo = AlgoConfig(name="grpo", normalize_adv_std=False, turn_discount=0.0)
+    assert grpo_advantages(turn_inputs(), algo) == [[0.5, 0.5, 0.5, -0.5], [-0.5, -0.5, 0.5, 0.5], [0.0, 0.0]]
+    # RLOO: the mean of the others that took the turn
+    rloo = AlgoConfig(name="rloo", turn_discount=0.0)
+    assert rloo_advantages(turn_inputs(), rloo) == [[0.75, 0.75, 0.75, -1.0], [-0.75, -0.75, 1.0, 1.0], [0.0, 0.0]]
+
+
+def test_turn_credit_with_full_discount_credits_a_turn_with_what_follows_it_too():
+    # returns: turn 0: 1, 1, 0.5 (mean 5/6); turn 1: 0, 1
+    algo = AlgoConfig(name="grpo", normalize_adv_std=False, turn_discount=1.0)
+    advantages = grpo_advantages(turn_inputs(), algo)
+    assert advantages == [pytest.approx([1 / 6] * 3 + [-0.5]), pytest.approx([1 / 6] * 2 + [0.5] * 2),
+                          pytest.approx([-1 / 3] * 2)]
+    half = grpo_advantages(turn_inputs(), AlgoConfig(name="grpo", normalize_adv_std=False, turn_discount=0.5))
+    assert half[1][0] == pytest.approx(0.5 - (1 + 0.5 + 0.5) / 3)  # turn 0's return 0 + 0.5 x 1
+
+
+def test_turn_credit_of_one_turn_episodes_is_the_sequence_level_advantage():
+    rewards, groups = [[1.0], [3.0], [0.0], [1.0]], (7, 3, 7, 3)
+    single = turn_inputs(rewards, [[0, 0], [0], [0, 0, 0], [0]], groups)
+    for algo in (AlgoConfig(name="grpo", normalize_adv_std=True), AlgoConfig(name="rloo")):
+        sequence = ESTIMATORS[algo.name].compute(single, algo)
+        for discount in (0.0, 1.0):
+            turned = AlgoConfig(**{**algo.__dict__, "turn_discount": discount})
+            assert ESTIMATORS[algo.name].compute(single, turned) == sequence

@@ -65,6 +65,10 @@ def test_reinforce_pp_without_a_group_baseline_needs_no_groups():
     (("algo=reinforce_pp", "algo.baseline=mean"), "algo.baseline"),
     (("algo=reinforce_pp", "algo.baseline=null"), "algo.baseline"),
     (("algo=grpo", "algo.normalize_adv_std=null"), "algo.normalize_adv_std"),
+    (("algo.turn_discount=1.5",), "algo.turn_discount"),
+    (("algo.turn_discount=-0.5",), "algo.turn_discount"),
+    (("algo=reinforce_pp", "algo.turn_discount=0"), "algo.turn_discount"),
+    (("algo=ppo", "algo.turn_discount=1"), "algo.turn_discount"),
     (("rollout.n_samples_per_prompt=1",), "rollout.n_samples_per_prompt"),
     (("algo=rloo", "rollout.n_samples_per_prompt=1"), "rollout.n_samples_per_prompt"),
     (("algo=reinforce_pp", "algo.baseline=group_mean", "rollout.n_samples_per_prompt=1"),
@@ -90,4 +94,6 @@ def test_algo_options_lists_the_combination_in_use():
         ["kl_reward_coef", "0.05"], ["entropy_coef", "off"], ["tis_cap", "off"], ["kl_estimator", "k1"],
         ["on_nonfinite", "stop"],
     ]
-    assert algo_options(load().algo)[:2] == [["estimator", "grpo"], ["normalize_adv_std", "True"]]
+    assert algo_options(load().algo)[:3] == [["estimator", "grpo"], ["normalize_adv_std", "True"],
+                                             ["turn_discount", "off"]]
+    assert ["turn_discount", "0.0"] in algo_options(load("algo=rloo", "algo.turn_discount=0").algo)

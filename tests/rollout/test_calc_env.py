@@ -1,5 +1,5 @@
-"""The calc environment on scripted turns: the tool's answer as the observation, the reward's parts, the tool
-disabled, malformed calls; and the episode's token bookkeeping (what is trained, what is context)."""
+"""The calc environment on scripted turns: the tool's answer as the observation, what each turn earns, the tool
+disabled, malformed calls; and the episode's token bookkeeping (what is trained, what is context, which turn)."""
 
 import numpy as np
 import pytest
@@ -33,14 +33,18 @@ def test_a_good_episode_calls_the_tool_and_copies_its_answer(env):
     a, b = int("".join(expression[:2])), int("".join(expression[2:]))
     episode = Episode(prompt, env.start(prompt))
     answer = turn(env, episode, ["calc", *expression, "<eos>"])
-    assert isinstance(answer, Observation)
+    assert isinstance(answer, Observation) and answer.reward == pytest.approx(0.5)  # the call's: every operand
     assert words_of(env, answer.token_ids) == ["->", *f"{a + b:03d}", "="]
+    episode.credit(answer.reward)
     episode.add_observation(answer.token_ids)
     done = turn(env, episode, [*f"{a + b:03d}", "<eos>"], version=1)
-    assert done == Done(pytest.approx(1.0))
+    assert done == Done(pytest.approx(0.5))  # the answer's: the tool's answer copied, and the stop
+    episode.finish(done.reward, "done")
+    assert episode.turn_rewards == [pytest.approx(0.5)] * 2 and episode.reward == pytest.approx(1.0)
     # One sequence: the prompt, the call, the observation, the answer; only the policy's tokens are trained.
     assert episode.tokens[:len(prompt.token_ids)] == prompt.token_ids
     assert episode.loss_mask == [1.0] * 6 + [0.0] * 5 + [1.0] * 4
+    assert episode.token_turns == [0] * 6 + [0] * 5 + [1] * 4  # the observation goes with the turn it answers
     assert episode.logprobs == [-0.5] * 6 + [0.0] * 5 + [-0.5] * 4
     assert episode.versions == [0] * 6 + [1] * 4 and not episode.partial  # a push between turns: not partial
     assert [(r.name, r.error) for r in episode.tools] == [("calc", None)]
@@ -57,23 +61,26 @@ def test_partial_credit_and_what_a_wrong_call_earns(env):
     assert turn(env, episode, [*target, "<eos>"]) == Done(pytest.approx(0.5))
     episode = Episode(prompt, env.start(prompt))
     assert turn(env, episode, target, finish="length") == Done(0.0)
-    # A call with one operand digit wrong reaches the tool; the answer ran out of tokens (no stop credit).
+    # A call with one operand digit wrong reaches the tool and earns 3/4 of the operands' share; its answer is
+    # credited for copying what the tool said (another sum), here without the stop (it ran out of tokens).
     episode = Episode(prompt, env.start(prompt))
     wrong = [*expression[:3], "0" if expression[3] != "0" else "1"]
     observation = turn(env, episode, ["calc", *wrong, "<eos>"])
-    assert words_of(env, observation.token_ids)[0] == "->" and episode.state["call"] == pytest.approx(0.05 + 0.45 * 3 / 4)
+    assert words_of(env, observation.token_ids)[0] == "->" and observation.reward == pytest.approx(0.5 * 3 / 4)
+    told = words_of(env, observation.token_ids)[1:-1]
+    assert told != target
     episode.add_observation(observation.token_ids)
-    assert turn(env, episode, target, finish="length") == Done(pytest.approx(0.05 + 0.45 * 3 / 4 + 0.4))
-    # A malformed call is an error observation, recorded; it still reached the tool.
+    assert turn(env, episode, told, finish="length") == Done(pytest.approx(0.4))
+    # A malformed call is an error observation, recorded; its operands are credited all the same (none here); an
+    # answer after the failed call is a guess, and earns nothing, even when it is the sum.
     episode = Episode(prompt, env.start(prompt))
     observation = turn(env, episode, ["calc", "calc", "<eos>"])
-    assert words_of(env, observation.token_ids) == ["->", "error", "="]
+    assert words_of(env, observation.token_ids) == ["->", "error", "="] and observation.reward == 0.0
     assert episode.tools[0].error == "a call is calc and the 4 digits of the two operands"
-    # A policy that never answers is cut off with its call's credit; a right answer after the failed call is a
-    # guess, and scores no more.
-    assert env.cut_off(episode) == pytest.approx(0.05)
     episode.add_observation(observation.token_ids)
-    assert turn(env, episode, [*target, "<eos>"]) == Done(pytest.approx(0.05))
+    assert turn(env, episode, [*target, "<eos>"]) == Done(0.0)
+    # Only the first call's operands earn.
+    assert turn(env, episode, ["calc", *expression, "<eos>"]).reward == 0.0
 
 
 def test_without_the_tool_a_call_is_an_error_and_earns_nothing():
@@ -83,7 +90,7 @@ def test_without_the_tool_a_call_is_an_error_and_earns_nothing():
     observation = turn(env, episode, ["calc", *words_of(env, prompt.token_ids)[1:-1], "<eos>"])
     assert words_of(env, observation.token_ids) == ["->", "error", "="]
     assert [(r.name, r.error) for r in episode.tools] == [("unknown", "the calculator is disabled")]
-    assert env.cut_off(episode) == 0.0
+    assert observation.reward == 0.0
 
 
 def test_bad_configs_name_the_key():
@@ -111,12 +118,14 @@ def test_limits_end_an_episode_flagged_and_a_bad_answer_names_the_environment(en
             answer = turn(env, episode, ["calc", *expression, "<eos>"])
             apply_answer(env, episode, answer, max_seq_len, check)
         assert episode.end == ("turn_limit" if turns > 1 else "token_limit") and episode.truncated
-        assert episode.reward == pytest.approx(0.5) and episode.turns == turns
+        assert episode.reward == pytest.approx(0.5) and episode.turns == turns  # the first call's operands
+        assert episode.turn_rewards == [pytest.approx(0.5)] + [0.0] * (turns - 1)
         episodes.append(episode)
     stats = episode_stats(episodes, env_seconds=1.0, generate_seconds=4.0)
     assert stats["env/turn_limit_episodes"] == stats["env/token_limit_episodes"] == 1
     assert stats["env/truncated_episodes"] == 2 and stats["env/share"] == 0.25
     assert stats["env/tool_calls/calc"] == env.max_turns + 1 and stats["env/tool_errors/calc"] == 0
+    assert stats["env/turn_reward/0"] == pytest.approx(0.5) and stats["env/turn_reward/1"] == 0.0
     episode = Episode(prompt, env.start(prompt))
     episode.add_turn(Generation([5], [0.0], "stop", 0))
     with pytest.raises(TypeError, match="CalcEnv returned '1' \\(str\\); a reward must be a real number"):

@@ -2,9 +2,15 @@
 
 An episode starts from a ``Prompt``. The engine generates a turn (up to the end-of-sequence token or the turn's
 token limit); the environment answers with an ``Observation`` (token ids appended to the episode as context: a
-tool's output, a user's message) or ``Done`` (the episode's reward). The rollout manager asks again until the
-environment says done, the episode reaches ``max_turns`` turns, or it fills the context (``model.max_seq_len``);
-an episode cut off by a limit is flagged truncated and scored by ``cut_off``.
+tool's output, a user's message) or ``Done``. The rollout manager asks again until the environment says done, the
+episode reaches ``max_turns`` turns, or it fills the context (``model.max_seq_len``); an episode cut off by a limit
+is flagged truncated and its last turn scored by ``cut_off``.
+
+**Rewards per turn.** Each answer carries the reward of the turn it answers (an ``Observation``'s is 0 unless the
+environment says otherwise); the episode's reward is the sum of its turns'. By default every policy token of an
+episode is credited with that sum; with ``algo.turn_discount`` set, each turn's tokens are credited with the
+discounted rewards from their own turn on (``rlfw.algo.advantages``): what lets a turn learn from what it controls
+when a later turn's reward depends on other skills.
 
 Environments answer from the manager's threads, several episodes at once, so ``step`` must be thread-safe: keep an
 episode's own state in ``Episode.state`` (what ``start`` returns), not on the environment.
@@ -26,14 +32,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Observation:
-    """What the environment says back: token ids appended to the episode (tokenized once, never re-tokenized)."""
+    """What the environment says back: token ids appended to the episode (tokenized once, never re-tokenized), and
+    the reward of the turn it answers."""
 
     token_ids: list[int]
+    reward: Any = 0.0
 
 
 @dataclass(frozen=True)
 class Done:
-    """The episode is over, with this reward (a real number; anything else is an error naming the environment)."""
+    """The episode is over; ``reward``: its last turn's (a real number; anything else is an error naming the
+    environment). An environment that gives no reward with its observations gives the episode's here."""
 
     reward: Any
 
@@ -69,7 +78,7 @@ class Environment(abc.ABC):
         """Answer the episode's last turn (``episode.last_turn``)."""
 
     def cut_off(self, episode: Episode) -> float:
-        """The reward of an episode a limit ended before the environment said done; 0 by default."""
+        """The reward of the last turn of an episode a limit ended before the environment said done; 0 by default."""
         return 0.0
 
     def close(self) -> None:

@@ -9,30 +9,30 @@ for. A good episode has two turns:
 
 A turn that starts with ``calc`` is a call, in the compact syntax (``rlfw.rollout.envs.tools.parse_compact``): its
 argument is the 2D digits, which the environment hands the calculator as ``a + b``; a call with anything else is
-an error observation. Any other turn is the final answer and ends the episode. Reward, in [0, 1]:
+an error observation. Any other turn is the final answer and ends the episode. Each turn earns for what it
+controls (rewards per turn, ``rlfw.rollout.envs.base``), in all at most 1:
 
-* ``CALL_WEIGHT`` for calling the tool, plus ``OPERANDS_WEIGHT`` x the fraction of the 2D digits that the first
-  call has at their position, when the call reached a tool (the environment has it): calling must pay from the
-  first step on, or the policy settles on answering by itself first;
-* ``ANSWER_WEIGHT`` x the fraction of the sum's D + 1 digits the final answer has at their position;
-* ``STOP_WEIGHT`` when the final answer is exactly D + 1 words and then ``<eos>``.
+* the first call: ``OPERANDS_WEIGHT`` x the fraction of the 2D digits it has at their position (with the
+  observation that answers it);
+* the answer: ``ANSWER_WEIGHT`` x the fraction of the tool's D + 1 digits it copied at their position, plus
+  ``STOP_WEIGHT`` when it is exactly D + 1 words and then ``<eos>``. Right operands and a right copy make the sum.
 
-An answer right after a call the tool could not answer (malformed, or no tool) scores only the call: it is a
-guess, and its random digits would drown the signal of the call's digits while the policy learns to call. An answer
-without any call earns only when it is the whole sum and the stop (``ANSWER_WEIGHT + STOP_WEIGHT``): credit per
-digit there paid for guessing the sum's leading digit (0 or 1) and stopping, 0.23 that no call could beat before the
-policy had learned to copy the operands, and every policy settled there (BENCHMARKS.md).
+An answer after a call the tool could not answer (malformed, or no tool) earns nothing: it is a guess. An answer
+without any call earns only as the whole sum and the stop (``ANSWER_WEIGHT + STOP_WEIGHT``): credit per digit there
+paid for writing the sum's leading digit (0 or 1), which every policy settled on before it learned to call.
 
 The design aims at a task the tiny model learns from scratch: the call is the copy task (the prompt's digits at
-one fixed offset) and the answer another copy (the tool's digits), each with partial credit per position. It does
-not learn it yet (BENCHMARKS.md: the policy learns to call, then collapses before it copies). Short runs showed
-what it must avoid: a token that is right at one position whatever the prompt (an operator between the operands,
-the more frequent digit of sorted operands, the call's closing <eos>) is an easy reward, and the policy writes it
-everywhere and stops exploring before it learns to copy. The operands' digits are uniform, and what follows them
-in a call is ignored (the turn ends at its token limit).
+one fixed offset) and the answer another copy (the tool's digits), each with partial credit per position. Credited
+with the episode's sum, the two turns spoil each other: the answer's reward is noise to the call (it depends on the
+copy, not on the operands), and a token that is right at one position whatever the prompt (the padded sum's
+leading digit) is an easy reward the policy then writes everywhere, in both turns, before it learns to copy
+(BENCHMARKS.md). So ``conf/task/calc.yaml`` sets ``algo.turn_discount=0``: each turn is credited with its own reward,
+against the same turn of the prompt's other episodes. No reward is paid for calling as such: it paid the first
+calls' junk digits too. The operands' digits are uniform, and what follows them in a call is ignored (the turn ends
+at its token limit).
 
 Without the tool (``task.tools=[]``) a call is an error observation and earns nothing: the policy must add
-D-digit numbers itself, and at most 0.5 (the answer and the stop) is reachable.
+D-digit numbers itself, and at most ``ANSWER_WEIGHT + STOP_WEIGHT`` (0.5) is reachable.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from rlfw.rollout.envs.tools import ToolCall, parse_compact
 from rlfw.rollout.tokenizer import BOS, EOS, SEPARATOR, build_tokenizer
 from rlfw.rollout.types import Prompt
 
-CALL_WEIGHT, OPERANDS_WEIGHT, ANSWER_WEIGHT, STOP_WEIGHT = 0.05, 0.45, 0.4, 0.1
+OPERANDS_WEIGHT, ANSWER_WEIGHT, STOP_WEIGHT = 0.5, 0.4, 0.1
 DIGITS = [str(d) for d in range(10)]
 CALL, RESULT, ERROR = "calc", "->", "error"
 
@@ -94,29 +94,26 @@ class CalcEnv(ToolEnvironment):
         return prompts
 
     def start(self, prompt: Prompt) -> dict[str, Any]:
-        return {"call": 0.0, "failed": False}
+        return {"told": None}  # the tool's answer, once a call reached it
 
     def step(self, episode: Episode) -> Observation | Done:
         words = self._turn_words(episode.last_turn)
         if words and words[0] == CALL:
+            first = not episode.tools
             result = self.call_tool(episode, self._call(words))
-            if CALL in self.tools and len(episode.tools) == 1:  # the first call that reached the tool earns credit
-                operands = self._tokenizer.convert_ids_to_tokens(episode.prompt.token_ids[1:-1])
-                episode.state["call"] = CALL_WEIGHT + OPERANDS_WEIGHT * _matched(words[1:], operands)
-            episode.state["failed"] = result.error is not None
-            answer = self._padded(int(result.output)) if result.error is None else [ERROR]
-            return Observation(self._encode([RESULT, *answer, SEPARATOR]))
-        if episode.state["failed"]:  # the answer to a failed call is a guess: scoring it only adds noise
-            return Done(self.cut_off(episode))
-        target = self._tokenizer.convert_ids_to_tokens(episode.prompt.target)
-        stops = len(words) == len(target) and episode.last_finish == "stop"
-        matched = _matched(words, target)
+            answer = self._padded(int(result.output)) if result.error is None else None
+            episode.state["told"] = answer
+            operands = self._tokenizer.convert_ids_to_tokens(episode.prompt.token_ids[1:-1])
+            earned = OPERANDS_WEIGHT * _matched(words[1:], operands) if first and CALL in self.tools else 0.0
+            return Observation(self._encode([RESULT, *(answer or [ERROR]), SEPARATOR]), earned)
         if not episode.tools:  # answered without a call: the whole sum or nothing
-            return Done((ANSWER_WEIGHT + STOP_WEIGHT) * (matched == 1 and stops))
-        return Done(self.cut_off(episode) + ANSWER_WEIGHT * matched + STOP_WEIGHT * stops)
-
-    def cut_off(self, episode: Episode) -> float:
-        return episode.state["call"]
+            target = self._tokenizer.convert_ids_to_tokens(episode.prompt.target)
+            return Done((ANSWER_WEIGHT + STOP_WEIGHT) * (words == target and episode.last_finish == "stop"))
+        told = episode.state["told"]
+        if told is None:  # the answer to a failed call is a guess: it earns nothing
+            return Done(0.0)
+        stops = len(words) == len(told) and episode.last_finish == "stop"
+        return Done(ANSWER_WEIGHT * _matched(words, told) + STOP_WEIGHT * stops)
 
     def _call(self, words: list[str]) -> ToolCall:
         """``calc`` and the 2D digits of the operands (what follows them is ignored), as the calculator's

@@ -61,13 +61,16 @@ def run_episodes(
 
 
 def apply_answer(env: Environment, episode: Episode, answer, max_seq_len: int, reward_value) -> None:
-    """End ``episode`` (done, or cut off by the turn or token limit) or append the environment's answer."""
+    """End ``episode`` (done, or cut off by the turn or token limit) or append the environment's answer; the
+    reward an answer carries is the turn's."""
     if isinstance(answer, Done):
         episode.finish(reward_value(answer.reward), "done")
-    elif not isinstance(answer, Observation):
+        return
+    if not isinstance(answer, Observation):
         raise TypeError(f"environment {type(env).__name__}.step returned {type(answer).__name__}; it must return "
                         "an Observation or Done")
-    elif episode.turns >= env.max_turns:
+    episode.credit(reward_value(answer.reward))
+    if episode.turns >= env.max_turns:
         episode.finish(reward_value(env.cut_off(episode)), "turn_limit")
     elif len(episode.tokens) + len(answer.token_ids) >= max_seq_len:  # the answer leaves the policy no token
         episode.finish(reward_value(env.cut_off(episode)), "token_limit")
@@ -76,8 +79,8 @@ def apply_answer(env: Environment, episode: Episode, answer, max_seq_len: int, r
 
 
 def episode_stats(episodes: list[Episode], env_seconds: float, generate_seconds: float) -> dict[str, float]:
-    """Per-step metrics of the episodes (``env/...``): turns, truncations by cause, tool calls and errors per
-    tool, tool seconds, and the environment's share of the rollout's wall time."""
+    """Per-step metrics of the episodes (``env/...``): turns, truncations by cause, the mean reward of each turn,
+    tool calls and errors per tool, tool seconds, and the environment's share of the rollout's wall time."""
     if not episodes:
         return {}
     turns = np.asarray([e.turns for e in episodes])
@@ -91,6 +94,9 @@ def episode_stats(episodes: list[Episode], env_seconds: float, generate_seconds:
         "env/seconds": env_seconds,
         "env/share": env_seconds / generate_seconds if generate_seconds > 0 else 0.0,
     }
+    for turn in range(int(turns.max())):  # what each turn earns, over the episodes that took it
+        earned = [e.turn_rewards[turn] for e in episodes if len(e.turn_rewards) > turn]
+        stats[f"env/turn_reward/{turn}"] = float(np.mean(earned))
     records = [r for e in episodes for r in e.tools]
     if records:
         stats["env/tool_seconds"] = float(sum(r.seconds for r in records))
