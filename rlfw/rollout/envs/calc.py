@@ -59,7 +59,7 @@ CALL, RESULT, ERROR = "calc", "->", "error"
 class CalcEnv(ToolEnvironment):
     """Sums of two ``digits``-digit numbers; ``tools``: the calculator (``[]`` disables it)."""
 
-    def __init__(self, tool_pool: Mapping[str, Any], digits: int = 2,
+    def __init__(self, tool_pool: Mapping[str, Any], digits: int = 1,
                  tools: Sequence[str] = ("rlfw.rollout.envs.builtin_tools.calc",), max_turns: int = 2,
                  seed: int = 0) -> None:
         super().__init__(tools, tool_pool, max_turns)
