@@ -353,6 +353,17 @@ def test_generations_match_local_engine(server, tmp_path):
     assert [sp["stop_token_ids"] for sp in body["sampling_params"]] == [[EOS]] * len(prompts)
 
 
+def test_the_health_asked_before_every_rollout_does_not_make_the_server_generate(server, tmp_path):
+    # SGLang's /health_generate generates a token and answers a second later at the earliest: asked before every
+    # rollout, it delayed each rollout's first request by that second (with loop=async, until after the push).
+    engine = attached(tmp_path, server["url"])
+    engine.update_weights(STATE_A, version=3)
+    before = len(events(server["events"]))
+    answer = engine.health()
+    assert answer["weight_version"] == 3 and answer["url"] == server["url"]
+    assert [e for e in events(server["events"])[before:] if e.get("path") in ("/health", "/health_generate")] == []
+
+
 def test_generation_through_a_router(server, tmp_path):
     port = free_ports(1)
     router = start_fake(tmp_path, "router", port, "--fake-router-for", server["url"],

@@ -284,8 +284,11 @@ class SGLangEngine(Engine):
             print(f"{self.name}: /pause_generation failed, loading without it: {e}", file=sys.stderr, flush=True)
 
     def health(self) -> dict[str, Any]:
-        return {**super().health(), "url": self.server.url, "server_pid": self.server_pid,
-                "server_error": self.server.health_error()}
+        """This engine's facts, at once. Not the server's ``/health_generate``: SGLang 0.5 answers it a second later
+        at the earliest (it polls for its one-token generation once a second), the pool asks before every rollout,
+        and with ``loop=async`` that second let the push land before the rollout's first request. A server that died
+        fails the rollout's first request, which checks it (``_serving_error``)."""
+        return {**super().health(), "url": self.server.url, "server_pid": self.server_pid}
 
     def shutdown(self) -> None:
         """Stop the launched server (its whole process group) and its actor."""
