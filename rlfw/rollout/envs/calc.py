@@ -1,4 +1,4 @@
-"""The calc task: add two numbers too long to add in one's head, with a calculator tool.
+"""The calc task: add two numbers with a calculator tool (the tiny model cannot learn to add by itself in a run).
 
 The prompt is ``<bos> a1 .. aD b1 .. bD =``: the digits of two D-digit numbers (zero-padded) whose sum is asked
 for. A good episode has two turns:
