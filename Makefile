@@ -46,9 +46,10 @@ $(SGLANG_VENV)/.installed: tests/sglang_cpu/requirements.txt
 	touch $@
 
 # rollout=sglang on this machine's CPU: a server launched from that environment, with the CPU flags SGLang needs.
+# --sleep-on-idle: an idle scheduler otherwise polls its sockets without pause, a whole core taken from the trainers.
 SGLANG_CPU_ARGS = rollout.sglang.gpus_per_engine=0 \
 	"rollout.sglang.launch_command=[env,'SGLANG_USE_CPU_ENGINE=1',$(abspath $(SGLANG_VENV))/bin/python,-m,sglang.launch_server]" \
-	rollout.sglang.extra_args=[--device,cpu,--attention-backend,torch_native,--disable-cuda-graph,--skip-server-warmup,--dtype,float32,--max-total-tokens,4096,--mem-fraction-static,0.05]
+	rollout.sglang.extra_args=[--device,cpu,--attention-backend,torch_native,--disable-cuda-graph,--skip-server-warmup,--dtype,float32,--max-total-tokens,4096,--mem-fraction-static,0.05,--sleep-on-idle]
 SGLANG_RUN := $(and $(findstring rollout=sglang,$(ARGS)),$(if $(findstring cuda,$(ARGS)),,1))
 
 setup: $(VENV)/.installed
@@ -80,11 +81,17 @@ $(VENV)/.installed-test: $(VENV)/.installed-vllm
 setup-test:
 	$(MAKE) -j2 $(VENV)/.installed-test $(SGLANG_VENV)/.installed
 
+# Two pytest workers, one test file at a time each: one alone leaves a fifth of the two cores idle (its tests wait on
+# actors' start-up, servers, deadlines); two keep them busy (1857 s against 2202 s, BENCHMARKS.md). TEST_WORKERS=0
+# runs the suite in one process.
+TEST_WORKERS ?= 2
+PYTEST := RLFW_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 test: setup-test
-	RLFW_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: setup-test
-	RLFW_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+	$(PYTEST) -m "not e2e" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/bench_learning.py

@@ -63,7 +63,7 @@ def main() -> None:
                   f"rollout.sglang.launch_command=[env,'SGLANG_USE_CPU_ENGINE=1',{args.sglang_python},-m,"
                   "sglang.launch_server]",
                   "rollout.sglang.extra_args=[--device,cpu,--attention-backend,torch_native,--disable-cuda-graph,"
-                  "--skip-server-warmup,--dtype,float32,--max-total-tokens,4096,--mem-fraction-static,0.05]"]
+                  "--skip-server-warmup,--dtype,float32,--max-total-tokens,4096,--mem-fraction-static,0.05,--sleep-on-idle]"]
 
     register_configs()
     run_dir = tempfile.mkdtemp(prefix="bench_rollout_")

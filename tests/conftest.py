@@ -1,12 +1,15 @@
 """Shared test setup: nothing leaves the machine, and worker processes stay single-threaded.
 
-Every test that needs Ray shares one local instance (``shared_ray``): Ray's start-up is paid once per session.
-End-to-end tests run after every fast test, so the fast ones report first. Nothing the session started outlives
+Every test that needs Ray shares one local instance (``shared_ray``): Ray's start-up is paid once per session (per
+worker under ``pytest -n``, which ``make test`` uses: each test file runs on one worker, the fault-free reference
+runs are made once for all). End-to-end tests run after every fast test, so the fast ones report first. Nothing the session started outlives
 it: every process it starts inherits a mark in its environment, and one still running when the session ends (a
 Ray worker, an engine's server, a scorer) fails the session, named, and is killed.
 """
 
+import hashlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -76,18 +79,31 @@ def shared_ray():
         yield
 
 
+REFERENCE_WAIT_S = 1800.0  # a reference run another worker is making: at most this long (it is one 10-step run)
+DONE = "REFERENCE_DONE"  # in a reference run's folder once it has finished
+
+
 @pytest.fixture(scope="session")
 def reference_run(shared_ray, tmp_path_factory):
-    """``reference_run(*overrides)``: the run directory of a fault-free run of those overrides, run once per session
-    and shared by every test that compares against it."""
+    """``reference_run(*overrides)``: the run directory of a fault-free run of those overrides, run once per test
+    session and shared by every test that compares against it, whichever worker (``pytest -n``) runs that test: the
+    first to need it makes it under a file lock in the session's temporary folder, the others wait and read it."""
+    from filelock import FileLock
+
     sys.path.insert(0, str(E2E_DIR))
     from harness import run_rlfw
 
-    runs = {}
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' common folder
 
     def get(*overrides):
-        if overrides not in runs:
-            runs[overrides] = run_rlfw(tmp_path_factory.mktemp("reference"), *overrides)
-        return runs[overrides]
+        run_dir = shared / f"reference-{hashlib.sha1(repr(overrides).encode()).hexdigest()[:12]}"
+        with FileLock(f"{run_dir}.lock", timeout=REFERENCE_WAIT_S):
+            if not (run_dir / DONE).exists():
+                shutil.rmtree(run_dir, ignore_errors=True)  # one a failed test left half made
+                run_rlfw(run_dir, *overrides)
+                (run_dir / DONE).touch()
+        return run_dir
 
     return get
+

@@ -34,9 +34,11 @@ from test_sglang_engine import (
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--skip-server-warmup",
-             "--dtype", "float32", "--max-total-tokens", "4096", "--mem-fraction-static", "0.05"]
+             "--dtype", "float32", "--max-total-tokens", "4096", "--mem-fraction-static", "0.05", "--sleep-on-idle"]
 
 
+# A real server's start on two cores: 15 s idle, over 2 minutes seen with another test file running beside it.
+REAL_START_S = 300.0
 LONG = SamplingParams(temperature=0.0, max_new_tokens=12)
 SLOW_BATCH_S = 0.3  # how long a slowed-down server sleeps before each batch (prefill or decode step)
 
@@ -54,12 +56,12 @@ def launch_command() -> list[str]:
 
 
 def real_launch_cfg(base_port: int, **overrides):
-    """Launch mode: engine i starts a real CPU server on base_port + i."""
+    """Launch mode: engine i starts a real CPU server on base_port + i, given REAL_START_S to become healthy."""
     return sglang_cfg(**{"launch_command": launch_command(), "base_port": base_port, "gpus_per_engine": 0,
-                         "extra_args": CPU_FLAGS, **overrides})
+                         "extra_args": CPU_FLAGS, "startup_timeout_s": REAL_START_S, **overrides})
 
 
-@pytest.fixture(scope="module")  # stopped after this file: an idle SGLang scheduler busy-polls a core
+@pytest.fixture(scope="module")  # stopped after this file
 def real_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real_sglang")
     model = save_server_checkpoint(tmp / "initial", STATE_B, SHAPE, EOS)
