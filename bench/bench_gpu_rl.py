@@ -43,7 +43,7 @@ COMMON = ["cluster.device=cuda", "task.length=64", "+task.min_length=2", "rollou
           "logger=jsonl", "checkpoint.save_final=false", "ft.verify_weights_every=5"]
 # rollout=sglang: a stock SGLang server (bench/carry/build_sglang.sh, unpacked into /tmp/sglang-site by its
 # install_sglang.sh) on the GPU, its PYTHONPATH that folder alone; triton attention and torch sampling, no FlashInfer.
-# A quarter of the free memory: with half, two colocated cells' training peaks (27.7 GiB each) did not fit an H100
+# --mem-fraction-static 0.25: with 0.5 the server and two colocated cells did not fit an H100
 SGLANG = ["rollout=sglang",
           "rollout.sglang.launch_command=[env,'PYTHONPATH=/tmp/sglang-site','{python}',-m,sglang.launch_server]",
           "rollout.sglang.extra_args=[--attention-backend,triton,--sampling-backend,pytorch,--dtype,bfloat16,"
@@ -53,9 +53,10 @@ ROWS = {
     "colocated_2cells_kill": ["dp=cells", "dp.num_cells=2", "cluster.gpus_per_worker=0.5",
                               "cluster.placement=colocated", "loop=sync", "fault=kill_once", "fault.cell=1",
                               "fault.step=3", "fault.phase=mid_forward_backward", "ft.await_replacement_s=120"],
-    # the same two cells beside an SGLang server, which keeps half the GPU's free memory through training
+    # the same two cells beside an SGLang server, which keeps its quarter of the GPU through training; micro-batches
+    # of 4096 tokens: at 16384 each cell's training peak (27.8 GiB) beside the server's did not fit an H100 (cells died)
     "sglang_colocated_2cells": [*SGLANG, "dp=cells", "dp.num_cells=2", "cluster.gpus_per_worker=0.5",
-                                "cluster.placement=colocated", "loop=sync"],
+                                "cluster.placement=colocated", "loop=sync", "algo.max_tokens_per_microbatch=4096"],
     "colocated_classic": ["dp=classic", "dp.size=1", "cluster.placement=colocated", "loop=sync"],
     # one cell and the engine each with half the GPU in Ray's books, both resident
     "separate_sync": ["dp=cells", "dp.num_cells=1", "cluster.gpus_per_worker=0.5", "rollout.gpus_per_engine=0.5",
