@@ -1,10 +1,10 @@
 """Shared test setup: nothing leaves the machine, and worker processes stay single-threaded.
 
 Every test that needs Ray shares one local instance (``shared_ray``): Ray's start-up is paid once per session (per
-worker under ``pytest -n``, which ``make test`` uses: each test file runs on one worker, the fault-free reference
-runs are made once for all). End-to-end tests run after every fast test, so the fast ones report first. Nothing the session started outlives
-it: every process it starts inherits a mark in its environment, and one still running when the session ends (a
-Ray worker, an engine's server, a scorer) fails the session, named, and is killed.
+worker under ``pytest -n``, ``make test TEST_WORKERS=2``: each test file runs on one worker, and the fault-free
+reference runs are made once for all). End-to-end tests run after every fast test, so the fast ones report first.
+Nothing the session started outlives it: every process it starts inherits a mark in its environment, and one still
+running when the session ends (a Ray worker, an engine's server, a scorer) fails the session, named, and is killed.
 """
 
 import hashlib

@@ -35,14 +35,17 @@ def kill_job_during_save(run_dir: Path, steps_done: int, *overrides) -> None:
     # Its own W&B service, as a job a scheduler starts has: inherited, this process' service would keep the killed
     # job's run open, and the resumed runs below (in this process) could not take its id.
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    job = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, env=env)
+    log = run_dir.parent / f"{run_dir.name}_job.log"
+    with open(log, "wb") as out:  # the child keeps its own handle
+        job = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=out, stderr=subprocess.STDOUT, env=env)
     staging = run_dir / "checkpoints" / f"step_{steps_done}.tmp"
     deadline = time.monotonic() + 600
     while not staging.exists() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.001)
+    ended_by_itself = job.poll()
     os.killpg(job.pid, signal.SIGKILL)
     job.wait(timeout=60)
+    assert ended_by_itself is None, f"the job exited ({ended_by_itself}) before its save: {log.read_text()[-3000:]}"
     assert staging.exists() and not (run_dir / "checkpoints" / f"step_{steps_done}" / "COMPLETE").exists(), \
         "the kill did not land inside the save"
 
