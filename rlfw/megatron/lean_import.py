@@ -13,7 +13,8 @@ parts of that import do nothing for rlfw's training:
   handles); afterwards ``import wandb`` works again in the process.
 
 Both only while ``megatron.core`` itself is imported (``import rlfw.megatron`` does it); a process that imported it
-before keeps what it has. Checked on megatron-core 0.16.1 and 0.19 (``tests/megatron/test_lean_import.py``).
+before keeps what it has. Pinned on megatron-core 0.16.1 by ``tests/megatron/test_lean_import.py``; on 0.19.2 the GPU
+rows of BENCHMARKS.md (2026-12-07 17:05) trained through it, the fused SwiGLU compiled at its first call.
 """
 
 from __future__ import annotations
