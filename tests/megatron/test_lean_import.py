@@ -63,3 +63,16 @@ def test_the_import_block_undoes_itself_even_when_the_import_fails():
 def test_compile_as_a_function_call_is_deferred_too():
     compiled = deferred_compile(lambda fn, **kw: (lambda *a: ("compiled", kw, fn(*a))))(lambda v: v + 1, mode="x")
     assert compiled(1) == ("compiled", {"mode": "x"}, 2)
+
+
+def test_a_cpu_trainers_attention_never_loads_the_compiler():
+    """The packed-attention path asks whether flash varlen can run before each call: on the CPU (any dtype) the answer
+    must come without importing the kernel's module, which imports TorchDynamo (over a second of every trainer's
+    start)."""
+    out = run_python(
+        "import sys, torch\n"
+        "from rlfw.megatron.attention import varlen_usable\n"
+        "print([varlen_usable(torch.zeros(4, 2, 8, dtype=d), 0.0) for d in (torch.float32, torch.bfloat16)])\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    assert out.splitlines() == ["[False, False]", "False"]
