@@ -7,6 +7,7 @@ Every logger takes the same four calls (see ``Logger``), so the trainer talks to
 from __future__ import annotations
 
 import json
+import logging
 import math
 import netrc
 import os
@@ -22,7 +23,10 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
+from rlfw.logging.wandb_files import iter_wandb_records
 from rlfw.run_files import EVENTS, METRICS, TABLES
+
+log = logging.getLogger(__name__)
 
 Metrics = Mapping[str, float | int]
 
@@ -125,6 +129,7 @@ class WandbLogger:
     STEPPED_GLOBS = ("reward/*", "cell/*", "dp/*", "cells/*", "ft/*")
     EVENTS_TABLE_KEY = "event_log"
     OFFLINE_BASE_URL = "http://127.0.0.1:9"
+    FINISH_WAIT_S = 30.0
 
     def __init__(
         self,
@@ -163,6 +168,7 @@ class WandbLogger:
             settings=wandb.Settings(**settings),
         )
         self.run_id: str = self._run.id
+        self._offline = mode == "offline"
         self._run.define_metric(self.STEP_METRIC)
         for glob in self.STEPPED_GLOBS:
             self._run.define_metric(glob, step_metric=self.STEP_METRIC)
@@ -193,7 +199,13 @@ class WandbLogger:
         self._log({name: wandb.Table(columns=columns, data=rows)}, step)
 
     def finish(self, exit_code: int = 0) -> None:
+        """End the run. Offline, ``run.finish`` can return before W&B's service has written the run's file (seen:
+        7 bytes of it, no record, when finish returned; whole 2 s later); a report or a resumed job that reads it
+        at once would miss the run's last rows, so this waits for the file's exit record (at most
+        ``FINISH_WAIT_S``, then says the file may be incomplete)."""
         self._run.finish(exit_code=exit_code)
+        if self._offline:
+            wait_for_exit_record(Path(self._run.settings.sync_file), self.FINISH_WAIT_S)
 
     def _log(self, data: dict[str, Any], step: int) -> None:
         # wandb silently drops data logged at a step below its current one; an event
@@ -201,6 +213,19 @@ class WandbLogger:
         # filed under the current step instead. Its true step stays in the event table.
         self._last_step = max(self._last_step, step)
         self._run.log(data, step=self._last_step)
+
+
+def wait_for_exit_record(path: Path, timeout_s: float) -> bool:
+    """Whether the W&B transaction log at ``path`` holds its exit record within ``timeout_s`` (a warning if not)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if path.exists() and any(r.WhichOneof("record_type") == "exit" for r in iter_wandb_records(path)):
+            return True
+        if time.monotonic() >= deadline:
+            log.warning("W&B's file %s has no exit record %.0f s after the run finished: it may be incomplete",
+                        path, timeout_s)
+            return False
+        time.sleep(0.05)
 
 
 _WANDB_MODES = ("auto", "online", "offline", "disabled")

@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from rlfw.logging import (
     iter_wandb_records,
     read_wandb_offline_history,
 )
-from rlfw.logging.loggers import _resolve_wandb_mode
+from rlfw.logging.loggers import _resolve_wandb_mode, wait_for_exit_record
 from rlfw.run_files import read_jsonl
 
 
@@ -190,6 +191,26 @@ def test_wandb_resumed_run_keeps_id_and_history(wandb_env, tmp_path):
     [exit_record] = [r.exit for r in iter_wandb_records(run_files[1]) if r.HasField("exit")]
     assert exit_record.exit_code == 1
 
+
+
+def test_finish_waits_for_the_run_files_exit_record(offline_run, tmp_path, caplog):
+    """W&B's service can still be writing a run's file when ``run.finish`` returns: finish waits until the file ends
+    with its exit record, and says so when it never does."""
+    run_dir, run_id, _ = offline_run
+    [done] = (run_dir / "wandb").glob(f"offline-run-*/run-{run_id}.wandb")
+    whole = done.read_bytes()
+    growing = tmp_path / "run-growing.wandb"
+    growing.write_bytes(whole[:7])  # what a reader found right after finish once: the header only
+    threading.Timer(0.3, growing.write_bytes, args=(whole,)).start()
+    started = time.monotonic()
+    assert wait_for_exit_record(growing, timeout_s=30)
+    assert time.monotonic() - started >= 0.3
+    assert [r.exit.exit_code for r in iter_wandb_records(growing) if r.HasField("exit")] == [0]
+
+    cut = tmp_path / "run-cut.wandb"
+    cut.write_bytes(whole[: len(whole) // 2])
+    assert not wait_for_exit_record(cut, timeout_s=0.2)
+    assert "no exit record" in caplog.text and str(cut) in caplog.text
 
 def test_wandb_auto_mode(monkeypatch, tmp_path):
     _isolate_wandb(monkeypatch, tmp_path)
