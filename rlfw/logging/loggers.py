@@ -7,7 +7,6 @@ Every logger takes the same four calls (see ``Logger``), so the trainer talks to
 from __future__ import annotations
 
 import json
-import logging
 import math
 import netrc
 import os
@@ -23,10 +22,8 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
-from rlfw.logging.wandb_files import iter_wandb_records
+from rlfw.logging.wandb_files import wait_for_exit_record
 from rlfw.run_files import EVENTS, METRICS, TABLES
-
-log = logging.getLogger(__name__)
 
 Metrics = Mapping[str, float | int]
 
@@ -213,19 +210,6 @@ class WandbLogger:
         # filed under the current step instead. Its true step stays in the event table.
         self._last_step = max(self._last_step, step)
         self._run.log(data, step=self._last_step)
-
-
-def wait_for_exit_record(path: Path, timeout_s: float) -> bool:
-    """Whether the W&B transaction log at ``path`` holds its exit record within ``timeout_s`` (a warning if not)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if path.exists() and any(r.WhichOneof("record_type") == "exit" for r in iter_wandb_records(path)):
-            return True
-        if time.monotonic() >= deadline:
-            log.warning("W&B's file %s has no exit record %.0f s after the run finished: it may be incomplete",
-                        path, timeout_s)
-            return False
-        time.sleep(0.05)
 
 
 _WANDB_MODES = ("auto", "online", "offline", "disabled")

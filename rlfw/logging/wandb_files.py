@@ -15,7 +15,9 @@ old ``wandb.sdk.internal.datastore`` is gone; the file is written by the Go
 from __future__ import annotations
 
 import json
+import logging
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from wandb.proto import wandb_internal_pb2
 
+log = logging.getLogger(__name__)
 _FILE_HEADER = struct.Struct("<4sHB")
 _FILE_IDENT, _FILE_MAGIC, _FILE_VERSION = b":W&B", 0xBEE1, 0
 _CHUNK_HEADER = struct.Struct("<IHB")
@@ -113,3 +116,16 @@ def _item_value(item: wandb_internal_pb2.HistoryItem) -> Any:
     if kind in (None, "none"):
         return None
     return getattr(item, kind)
+
+
+def wait_for_exit_record(path: Path, timeout_s: float) -> bool:
+    """Whether the W&B transaction log at ``path`` holds its exit record within ``timeout_s`` (a warning if not)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if path.exists() and any(r.WhichOneof("record_type") == "exit" for r in iter_wandb_records(path)):
+            return True
+        if time.monotonic() >= deadline:
+            log.warning("W&B's file %s has no exit record %.0f s after the run finished: it may be incomplete",
+                        path, timeout_s)
+            return False
+        time.sleep(0.05)

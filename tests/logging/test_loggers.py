@@ -16,7 +16,8 @@ from rlfw.logging import (
     iter_wandb_records,
     read_wandb_offline_history,
 )
-from rlfw.logging.loggers import _resolve_wandb_mode, wait_for_exit_record
+from rlfw.logging.loggers import _resolve_wandb_mode
+from rlfw.logging.wandb_files import wait_for_exit_record
 from rlfw.run_files import read_jsonl
 
 
