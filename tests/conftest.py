@@ -1,8 +1,8 @@
 """Shared test setup: nothing leaves the machine, and worker processes stay single-threaded.
 
 Every test that needs Ray shares one local instance (``shared_ray``): Ray's start-up is paid once per session (per
-worker under ``pytest -n``, ``make test TEST_WORKERS=2``: each test file runs on one worker, and the fault-free
-reference runs are made once for all). End-to-end tests run after every fast test, so the fast ones report first.
+worker under ``pytest -n``, two in ``make test``: each test file runs on one worker, and the fault-free reference
+runs are made once for all). End-to-end tests run first: the longest files first, so that two workers end together.
 Nothing the session started outlives it: every process it starts inherits a mark in its environment, and one still
 running when the session ends (a Ray worker, an engine's server, a scorer) fails the session, named, and is killed.
 """
