@@ -2,7 +2,8 @@
 
 Every test that needs Ray shares one local instance (``shared_ray``): Ray's start-up is paid once per session (per
 worker under ``pytest -n``, two in ``make test``: each test file runs on one worker, and the fault-free reference
-runs are made once for all). End-to-end tests run first: the longest files first, so that two workers end together.
+runs are made once for all). In one process the end-to-end tests run after every fast test, so the fast ones report
+first; two workers take the files with the most tests first (pytest-xdist's order for ``--dist loadfile``).
 Nothing the session started outlives it: every process it starts inherits a mark in its environment, and one still
 running when the session ends (a Ray worker, an engine's server, a scorer) fails the session, named, and is killed.
 """
@@ -28,9 +29,7 @@ E2E_DIR = Path(__file__).parent / "e2e"
 
 
 def pytest_collection_modifyitems(config, items):
-    # The end-to-end files first (stable: each file's tests stay together, in order): they are the longest, and with
-    # two workers (`--dist loadfile`) the short files left for last let both workers end together.
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)  # stable: fast tests first
 
 
 def pytest_runtest_setup(item):
