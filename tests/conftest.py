@@ -2,8 +2,9 @@
 
 Every test that needs Ray shares one local instance (``shared_ray``): Ray's start-up is paid once per session (per
 worker under ``pytest -n``, two in ``make test``: each test file runs on one worker, and the fault-free reference
-runs are made once for all). In one process the end-to-end tests run after every fast test, so the fast ones report
-first; two workers take the files with the most tests first (pytest-xdist's order for ``--dist loadfile``).
+runs are made once for all). Child processes without Ray (cells, ranks) are forks of one server that imported torch,
+torchft and Megatron once (``forked``). In one process the end-to-end tests run after every fast test, so the fast
+ones report first; two workers take the files with the most tests first (pytest-xdist's order for ``--dist loadfile``).
 Nothing the session started outlives it: every process it starts inherits a mark in its environment, and one still
 running when the session ends (a Ray worker, an engine's server, a scorer) fails the session, named, and is killed.
 """
@@ -21,7 +22,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 SESSION_MARK = "RLFW_TEST_SESSION"
 os.environ[SESSION_MARK] = str(os.getpid())  # inherited by every process the session starts, Ray's included
-TEST_MARK = "RLFW_TEST_NODEID"  # the test running when a process started (a Ray worker's: when Ray started)
+TEST_MARK = "RLFW_TEST_NODEID"  # the test running when a process started (a Ray worker's: when Ray started;
+# a child forked by ``forked``'s server: when that server started)
 
 import pytest
 

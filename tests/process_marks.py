@@ -9,9 +9,9 @@ from typing import List
 import psutil
 
 
-# multiprocessing's helpers of this process (its resource tracker, spawned workers such as the math reward's
-# scorer): they end with it (their pipe closes, or their death signal fires), not before.
-OWN_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.spawn")
+# multiprocessing's helpers of this process (its resource tracker, its forkserver, spawned workers such as the math
+# reward's scorer): they end with it (their pipe closes, or their death signal fires), not before.
+OWN_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.spawn", "multiprocessing.forkserver")
 
 
 def marked_processes(key: str, value: str) -> List[psutil.Process]:

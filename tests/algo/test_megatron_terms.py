@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+import forked
 from rlfw.config.schema import AlgoConfig
 from rlfw.data.batch import RolloutBatch
 from rlfw.model.shape import ModelShape
@@ -44,14 +45,11 @@ def init_world(rank: int, world_size: int, tp: int, store_port: int) -> None:
 
 def spawn(entry, world_size: int, out_dir) -> list:
     """Run ``entry(rank, world_size, store_port, out_path)`` on ``world_size`` ranks; returns what each saved."""
-    import torch.multiprocessing as mp
-
     from rlfw.cluster.store import serve_store
 
     store = serve_store("127.0.0.1")
     outs = [str(out_dir / f"rank{rank}.pt") for rank in range(world_size)]
-    mp.start_processes(entry, args=(world_size, store.port, outs), nprocs=world_size, join=True,
-                       start_method="spawn")
+    forked.start_processes(entry, (world_size, store.port, outs), world_size)
     return [torch.load(out, weights_only=False) for out in outs]
 
 

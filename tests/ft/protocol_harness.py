@@ -13,7 +13,6 @@ model-free trainer, recording every attempt through a wrapping sync.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import random
 import threading
 import time
@@ -25,6 +24,8 @@ import numpy as np
 import psutil
 import torch
 from omegaconf import OmegaConf
+
+import forked
 
 from rlfw.cluster.store import serve_store
 from rlfw.config.schema import ClusterConfig, FaultConfig, FTConfig, SplitConfig
@@ -319,7 +320,7 @@ class Cluster:
         self.lighthouse = Lighthouse(HOST, 0, self.ft["min_cells"], self.ft["join_timeout_s"],
                                      self.ft["heartbeat_timeout_s"])
         self.membership = Membership(HOST)
-        self.ctx = mp.get_context("spawn")
+        self.ctx = forked.context()
         self.processes: List[CellProcess] = []
         self.taken_out: List[CellProcess] = []  # in the order the driver decided
 

@@ -2,12 +2,12 @@
 configuration, and a scheduled kill that never fired is reported instead of passing for a successful fault test."""
 
 import json
-import multiprocessing
 import signal
 
 import pytest
 from omegaconf import OmegaConf
 
+import forked
 from rlfw.config.schema import FaultConfig
 
 
@@ -43,7 +43,7 @@ def train_one_share(run_dir: str, microbatches: int) -> None:
 def test_mid_forward_backward_kills_after_the_first_microbatch_however_many_there_are(tmp_path, microbatches,
                                                                                        finished):
     """With one micro-batch per cell (or an empty share) the phase used to be unreachable: nothing died."""
-    child = multiprocessing.get_context("spawn").Process(target=train_one_share, args=(str(tmp_path), microbatches))
+    child = forked.context().Process(target=train_one_share, args=(str(tmp_path), microbatches))
     child.start()
     child.join(timeout=120)
     assert child.exitcode == -signal.SIGKILL
@@ -78,7 +78,7 @@ def kill_at_random(run_dir: str) -> None:
 def test_a_random_kill_leaves_its_marker_and_fires_once_per_run_directory(tmp_path):
     """A restarted job draws the same kill at the same cell, incarnation, step and phase: the marker stops it from
     firing again (else a restart loop under random faults would die at the same place for ever)."""
-    spawn = multiprocessing.get_context("spawn")
+    spawn = forked.context()
     first = spawn.Process(target=kill_at_random, args=(str(tmp_path),))
     first.start()
     first.join(timeout=120)

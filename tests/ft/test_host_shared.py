@@ -7,7 +7,6 @@ torchft's Manager configures it; peers die by SIGKILL and stall by SIGSTOP.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -20,6 +19,7 @@ import pytest
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp, TCPStore
 
+import forked
 from rlfw.ft.host_shared import (DEVICE_CHUNK_BYTES, SHM_ROOT, PeerLostError, ProcessGroupHostShared, process_alive,
                                  remove_orphans)
 
@@ -124,7 +124,7 @@ def member(rank, world, port, root, quorum, plan, conn):
 class Members:
     def __init__(self, world, roots, plans, quorum=1):
         self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-        ctx = multiprocessing.get_context("spawn")
+        ctx = forked.context()
         self.procs, self.conns = [], []
         for rank in range(world):
             mine, theirs = ctx.Pipe()
@@ -330,7 +330,7 @@ def _create_and_hang(root, name):
 
 def test_orphans_of_dead_processes_are_removed_and_live_ones_kept(shm_root):
     ns = os.stat("/proc/self/ns/pid").st_ino
-    ctx = multiprocessing.get_context("spawn")
+    ctx = forked.context()
     name = f"rlfw-shm-{ns}-{{pid}}-abc-r0-b8"
     dead, live = (ctx.Process(target=_create_and_hang, args=(shm_root, name), daemon=True) for _ in range(2))
     dead.start()

@@ -14,6 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from safetensors.torch import load_file
+import forked
 from test_hf_convert import LOGITS_ATOL, megatron_logits, megatron_weights, random_tokens
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -182,14 +183,12 @@ def _tensor_parallel_rank(rank: int, store_port: int, checkpoints: dict[str, str
 def test_tensor_parallel_import_matches_tp1(checkpoints, megatron_world, tmp_path):
     """Each TP rank loads only its slice (query groups of the fused qkv, [gate; up] of fc1, vocab rows); the
     gathered logits equal the TP=1 model's up to the order of the row-parallel sums."""
-    import torch.multiprocessing as mp
-
     from rlfw.cluster.store import serve_store
 
     store = serve_store("127.0.0.1")
     out = tmp_path / "tp2_logits.pt"
-    mp.start_processes(_tensor_parallel_rank, args=(store.port, {k: str(v) for k, v in checkpoints.items()}, str(out)),
-                       nprocs=2, join=True, start_method="spawn")
+    forked.start_processes(_tensor_parallel_rank, (store.port, {k: str(v) for k, v in checkpoints.items()}, str(out)),
+                           2)
     tp2 = torch.load(out)
     tokens = random_tokens(48, seq_len=16)
     assert tp2.keys() == checkpoints.keys()
