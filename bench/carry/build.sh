@@ -3,7 +3,8 @@
 # torch, triton, transformers and numpy, and no network, so rlfw's other runtime dependencies travel as cp312 wheels
 # (the device tool's `carry=[".whl"]`, at most 64 MiB with the tree). Ray's wheel (79 MB) is over that limit: it goes
 # as a tar.xz of its installed tree without the Java jars and the dashboard's source maps (27 MB). wandb,
-# math-verify and datasets stay behind: the default job (logger=jsonl, the copy task) never imports them.
+# and math-verify stay behind: the default job (logger=jsonl, the copy task) never imports them; TRL and datasets go for
+# the GPU peer row (bench/bench_vs_trl.py --gpu).
 # On the machine: `bash .whl/install.sh`, then `export PYTHONPATH=/tmp/site:$PWD`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,6 +23,8 @@ CP312=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp -
   opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
   opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-http-transport==0.66b2 \
   opentelemetry-exporter-otlp-common==0.66b2
+# bench/bench_vs_trl.py --gpu: TRL and what it needs that the machine lacks (it has accelerate, pandas, pyarrow)
+"$PIP" download "${CP312[@]}" -d "$OUT/wheels" trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 # antlr4's runtime is on PyPI as source only: pure Python, so a wheel built here serves 3.12 too
 "$PIP" wheel --no-deps -w "$OUT/wheels" antlr4-python3-runtime==4.9.3
 # installed only where the machine's own are too old (install.sh checks): protobuf >= 6.33.5, packaging >= 24.2

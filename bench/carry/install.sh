@@ -3,7 +3,8 @@
 # Run from the repo root:  bash .whl/install.sh      then:  export PYTHONPATH=/tmp/site:$PWD
 # Carried: ray 2.60.0 (trimmed, ray.tar.xz), torchft 0.2.0, megatron-core 0.19.2, hydra-core 1.3.8, omegaconf 2.3.1,
 # antlr4-python3-runtime 4.9.3, jsonschema (+referencing, rpds-py, jsonschema-specifications), opentelemetry
-# (api/sdk/otlp-proto-http chain), googleapis-common-protos, einops. extra/: protobuf, packaging, installed only
+# (api/sdk/otlp-proto-http chain), googleapis-common-protos, einops; for bench/bench_vs_trl.py --gpu: trl, datasets,
+# dill, multiprocess. extra/: protobuf, packaging, installed only
 # when the machine's own copy is too old. Not carried: torch, triton, transformers, numpy, wandb, math-verify.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
