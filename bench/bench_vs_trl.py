@@ -69,9 +69,9 @@ def summary(side: str, launched: float, exited: float, ends: list, rewards: list
             "response_len": statistics.mean(response_lens) if response_lens else float("nan")}
 
 
-def rlfw_row(steps: int, overrides: list[str], side: str) -> dict:
+def rlfw_row(steps: int, overrides: list[str], side: str, name: str) -> dict:
     launched = time.time()
-    run = run_training("vs_trl_rlfw", [f"num_steps={steps}", "logger=jsonl", *overrides])
+    run = run_training(name, [f"num_steps={steps}", "logger=jsonl", *overrides])
     rows = run["rows"]
     return summary(side, launched, launched + run["wall_s"], [r["time/wall"] for r in rows],
                    [r["reward/mean"] for r in rows], rows[-1]["train/num_samples"],
@@ -192,7 +192,8 @@ def main() -> None:
     rlfw_rows += [(f"rlfw {' '.join(extra)}", [*common, *extra]) for extra in args.rlfw_overrides]
     rows = []
     for _ in range(args.repeats):
-        rows += [rlfw_row(args.steps, overrides, side) for side, overrides in rlfw_rows]
+        rows += [rlfw_row(args.steps, overrides, side, f"vs_trl_rlfw_{i}")
+                 for i, (side, overrides) in enumerate(rlfw_rows)]
         if not args.rlfw_only:
             rows.append(trl_row(args.steps, common, device, args.trl_micro_batch or micro_batch))
     headers = list(rows[0])
