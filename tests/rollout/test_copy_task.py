@@ -1,36 +1,11 @@
-"""The copy task's prompts, its partial-credit reward, and the word-level tokenizer it is built on."""
+"""The copy task's prompts and its partial-credit reward."""
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
 from rlfw.rollout.tasks import CopyTask
 from rlfw.rollout.tasks.copy import EOS_WEIGHT
-from rlfw.rollout.tokenizer import build_tokenizer
 from rlfw.rollout.types import Prompt
-
-
-def test_tokenizer_round_trip_and_reload(tmp_path):
-    tokenizer = build_tokenizer(["a", "b", "c"])
-    text = "<bos> c a b = a"
-
-    ids = tokenizer(text).input_ids
-    assert ids == [1, 6, 4, 5, 3, 4]
-    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
-    assert tokenizer.decode(ids) == text
-    assert tokenizer.decode([*ids, 2], skip_special_tokens=True) == "c a b = a"
-
-    tokenizer.save_pretrained(tmp_path)
-    reloaded = AutoTokenizer.from_pretrained(tmp_path)
-    assert reloaded(text).input_ids == ids
-    assert reloaded.eos_token_id == 2
-
-
-def test_tokenizer_rejects_clashing_symbols():
-    with pytest.raises(ValueError, match="distinct"):
-        build_tokenizer(["a", "="])
-    with pytest.raises(ValueError, match="whitespace"):
-        build_tokenizer(["a b"])
 
 
 def test_prompts_spell_out_the_copy():

@@ -42,13 +42,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from transformers import PreTrainedTokenizerFast
 
 from rlfw.rollout.envs.base import Done, Observation
 from rlfw.rollout.envs.episode import Episode
 from rlfw.rollout.envs.tool_env import ToolEnvironment
 from rlfw.rollout.envs.tools import ToolCall, parse_compact
-from rlfw.rollout.tokenizer import BOS, EOS, SEPARATOR, build_tokenizer
+from rlfw.rollout.tokenizer import BOS, EOS, SEPARATOR, WordTokenizer, build_tokenizer
 from rlfw.rollout.types import Prompt
 
 OPERANDS_WEIGHT, ANSWER_WEIGHT, STOP_WEIGHT = 0.5, 0.4, 0.1
@@ -75,7 +74,7 @@ class CalcEnv(ToolEnvironment):
         self._next_prompt_id = itertools.count()
 
     @property
-    def tokenizer(self) -> PreTrainedTokenizerFast:
+    def tokenizer(self) -> WordTokenizer:
         return self._tokenizer
 
     @property

@@ -15,9 +15,8 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-from transformers import PreTrainedTokenizerFast
 
-from rlfw.rollout.tokenizer import BOS, EOS, SEPARATOR, build_tokenizer
+from rlfw.rollout.tokenizer import BOS, EOS, SEPARATOR, WordTokenizer, build_tokenizer
 from rlfw.rollout.types import Prompt
 
 # Share of the reward for ending with <eos> right after the copy: small, so that copying dominates, but enough
@@ -46,7 +45,7 @@ class CopyTask:
         self._next_prompt_id = itertools.count()
 
     @property
-    def tokenizer(self) -> PreTrainedTokenizerFast:
+    def tokenizer(self) -> WordTokenizer:
         return self._tokenizer
 
     @property
