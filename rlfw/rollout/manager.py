@@ -74,9 +74,6 @@ class _Group:
 @ray.remote(num_cpus=0, concurrency_groups={"rollout": 1, "weights": 1})
 class RolloutManager:
     def __init__(self, cfg: dict[str, Any], shape: ModelShape):
-        import torch
-
-        torch.set_num_threads(1)
         self.cfg = OmegaConf.create(cfg)
         self.env = as_environment(instantiate(self.cfg.task))  # a single-turn task is a one-turn environment
         self.shape = shape
@@ -90,10 +87,14 @@ class RolloutManager:
         )
 
     @ray.method(concurrency_group="weights")
-    def update_weights(self, hf_state, version: int) -> float:
-        """Push new policy weights to every engine; returns the seconds it took."""
+    def update_weights(self, weights: list[ray.ObjectRef], version: int) -> float:
+        """Push new policy weights to every engine; returns the seconds it took. ``weights``: ``[ref]``, the object
+        ref of the HF state dict (or of its shared GPU buffer) in a list, which Ray hands over as it is: the manager
+        never fetches the weights (they would cost it a copy, a serialisation and torch's import); each engine
+        fetches them from the writer's node."""
         t0 = time.perf_counter()
-        self.pool.update_weights(hf_state, version)
+        [ref] = weights
+        self.pool.update_weights(ref, version)
         return time.perf_counter() - t0
 
     def health(self) -> list[dict[str, Any]]:

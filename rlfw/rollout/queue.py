@@ -99,7 +99,7 @@ class RolloutQueue:
         return metrics
 
     def _send(self, export: Callable[[], ray.ObjectRef], version: int, tries: int = 0) -> None:
-        self._push = (self.manager.update_weights.remote(export(), version), version, export, tries)
+        self._push = (self.manager.update_weights.remote([export()], version), version, export, tries)
         self._pushed = version
 
     def settle(self, superseded: bool = False) -> None:

@@ -20,7 +20,7 @@ def test_an_engine_killed_mid_episode_loses_nothing_and_the_turn_is_regenerated(
     shape = model_shape(cfg, padded_vocab_size(len(tokenizer), 1))
     manager = RolloutManager.remote(OmegaConf.to_container(cfg, resolve=True), shape)
     try:
-        ray.get(manager.update_weights.remote(random_hf_state(shape), 0))
+        ray.get(manager.update_weights.remote([ray.put(random_hf_state(shape))], 0))
         victim = ray.get(manager.health.remote())[0]["pid"]
         kill_file.write_text(str(victim))
         killed = ray.get(manager.generate.remote(0, 0))

@@ -1,5 +1,7 @@
 """RolloutManager on real engine actors: dynamic sampling, truncation, per-sample timing, versions, restarts."""
 
+import sys
+
 import numpy as np
 import pytest
 import ray
@@ -15,7 +17,7 @@ def start_manager(tmp_path, *overrides, version: int = 0):
     cfg = compose_cfg(tmp_path, *FAST, *overrides)
     shape = shape_of(cfg)
     manager = RolloutManager.remote(OmegaConf.to_container(cfg, resolve=True), shape)
-    ray.get(manager.update_weights.remote(random_hf_state(shape), version))
+    ray.get(manager.update_weights.remote([ray.put(random_hf_state(shape))], version))
     return manager
 
 
@@ -86,7 +88,15 @@ def test_batch_columns_truncation_timing_and_versions(ray_local, tmp_path):
     assert again["batch"].samples["tokens"] == batch.samples["tokens"]  # a step's rollout is a function of the step
 
 
+def heavy_imports(manager) -> list[str]:
+    """The modules of torch and transformers loaded in the manager's process."""
+    return ray.get(manager.__ray_call__.remote(
+        lambda _: sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))))
+
+
 def test_killed_engine_is_replaced_then_retired_past_the_budget(ray_local, tmp_path):
+    """Also: the manager that pushed weights, generated and re-created an engine never imported torch or
+    transformers (their import would be most of its start, which every rollout waits for)."""
     manager = start_manager(tmp_path, "rollout.num_engines=2", "rollout.max_engine_restarts=1")
     try:
         reference = [ray.get(manager.generate.remote(step, 0))["batch"] for step in (0, 1)]
@@ -94,6 +104,7 @@ def test_killed_engine_is_replaced_then_retired_past_the_budget(ray_local, tmp_p
         out = ray.get(manager.generate.remote(0, 0))
         assert out["stats"]["rollout/engine_restarts"] == 1 and out["stats"]["rollout/engines_alive"] == 2
         assert out["batch"].samples["tokens"] == reference[0].samples["tokens"]  # same samples despite the death
+        assert heavy_imports(manager) == []
 
         sigkill(ray.get(manager.health.remote())[1]["pid"])  # the budget is spent: engine 1 is retired
         out = ray.get(manager.generate.remote(1, 0))
@@ -124,7 +135,7 @@ def test_a_weight_push_reaches_a_generation_under_way(ray_local, tmp_path):
         rollout = manager.generate.remote(1, 0)
         while ray.get(manager.busy_seconds.remote()) == busy:  # until an engine call of this rollout runs
             assert not ray.wait([rollout], timeout=0.01)[0]
-        ray.get(manager.update_weights.remote(random_hf_state(shape, seed=1), 1), timeout=60)
+        ray.get(manager.update_weights.remote([ray.put(random_hf_state(shape, seed=1))], 1), timeout=60)
         pushed_while_generating = not ray.wait([rollout], timeout=0)[0]
         batch = ray.get(rollout)["batch"]
         with pytest.raises(Exception, match="step 2: engines hold weights v1 but v2 or newer is needed"):
@@ -148,10 +159,10 @@ def test_a_rollout_waits_for_the_push_of_its_version(ray_local, tmp_path):
     del broken[next(iter(broken))]  # an engine refuses a state without every weight
     try:
         rollout = manager.generate.remote(1, 1, 300.0)
-        ray.get(manager.update_weights.remote(random_hf_state(shape, seed=1), 1), timeout=120)
+        ray.get(manager.update_weights.remote([ray.put(random_hf_state(shape, seed=1))], 1), timeout=120)
         versions = ray.get(rollout, timeout=120)["batch"].samples["rollout_versions"]
         failing = manager.generate.remote(2, 2, 300.0)
-        manager.update_weights.remote(broken, 2)
+        manager.update_weights.remote([ray.put(broken)], 2)
         with pytest.raises(Exception, match="step 2: the push of weights v2 failed"):
             ray.get(failing, timeout=300)
     finally:

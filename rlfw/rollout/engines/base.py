@@ -36,14 +36,16 @@ import abc
 import importlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-from torch import Tensor
 
 from rlfw.cluster.labels import parse_labels
 from rlfw.model.shape import ModelShape
 from rlfw.rollout.types import Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 # rollout.backend -> "module:Class" of its engine.
 ENGINES = {

@@ -123,6 +123,9 @@ class EnginePool:
         its call under way returns."""
         try:
             ref = hf_state if isinstance(hf_state, ray.ObjectRef) else ray.put(hf_state)
+            # A copy on this node, not deserialized: a replacement engine may need these weights after the writer's
+            # node is gone, and Ray recovers a lost object from any copy left.
+            ray.wait([ref], fetch_local=True, timeout=self.call_timeout_s)
             with self._lock:
                 self._weights = (ref, version)
                 engines = {index: self.engines[index] for index in self._serving()}
