@@ -131,9 +131,11 @@ def test_a_weight_push_reaches_a_generation_under_way(ray_local, tmp_path):
     try:
         reference = ray.get(manager.generate.remote(0, 0))  # no push during the call: version 0 throughout
         assert {v for versions in reference["batch"].samples["rollout_versions"] for v in versions} == {0}
-        busy = ray.get(manager.busy_seconds.remote())
+        busy = ray.get(manager.busy_seconds.remote())  # the engine seconds of one whole rollout
         rollout = manager.generate.remote(1, 0)
-        while ray.get(manager.busy_seconds.remote()) == busy:  # until an engine call of this rollout runs
+        # A quarter of the rollout in (its first chunks of 8 requests sampled under v0, 16 chunks in all), then the
+        # push: a fraction of this machine's own rollout, not a time, whatever its load.
+        while ray.get(manager.busy_seconds.remote()) < 1.25 * busy:
             assert not ray.wait([rollout], timeout=0.01)[0]
         ray.get(manager.update_weights.remote([ray.put(random_hf_state(shape, seed=1))], 1), timeout=60)
         pushed_while_generating = not ray.wait([rollout], timeout=0)[0]
