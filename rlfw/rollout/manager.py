@@ -90,8 +90,8 @@ class RolloutManager:
     def update_weights(self, weights: list[ray.ObjectRef], version: int) -> float:
         """Push new policy weights to every engine; returns the seconds it took. ``weights``: ``[ref]``, the object
         ref of the HF state dict (or of its shared GPU buffer) in a list, which Ray hands over as it is: the manager
-        never fetches the weights (they would cost it a copy, a serialisation and torch's import); each engine
-        fetches them from the writer's node."""
+        never deserialises the weights (that would cost it a copy, a serialisation and torch's import); its pool
+        keeps a copy on this node for replacement engines, and each engine fetches them itself."""
         t0 = time.perf_counter()
         [ref] = weights
         self.pool.update_weights(ref, version)
