@@ -5,6 +5,7 @@ default job; with ``--gpu SHAPE``, the GPU RL table's job (``bench_gpu_rl.py``) 
     .venv/bin/python bench/bench_vs_trl.py [--steps 60] [--repeats 1] [--rlfw-only] \
         [--rlfw-overrides algo.max_tokens_per_microbatch=2048 ...]   # another rlfw row beside the default one
     python3 bench/bench_vs_trl.py --gpu 0.5b --steps 30 --rlfw-rows separate_sync,separate_async algo.lr=1e-5
+    python3 bench/bench_vs_trl.py --gpu 0.5b --steps 30 --trl-only --trl-timeout-s 300 algo.lr=1e-5   # TRL alone
 
 The CPU work: the built-in copy task (its tokenizer, prompts and reward, imported from rlfw), the tiny Llama shape of
 ``model=tiny``, 32 prompts x 8 samples a step, at most 4 new tokens, GRPO with no KL (TRL ``beta=0``), the token-mean
@@ -78,18 +79,26 @@ def rlfw_row(steps: int, overrides: list[str], side: str, name: str) -> dict:
                    [r["rollout/response_len"] for r in rows])
 
 
-def trl_row(steps: int, overrides: list[str], device: str, micro_batch: int) -> dict:
+def trl_row(steps: int, overrides: list[str], device: str, micro_batch: int, timeout_s: float) -> dict:
+    """TRL's side in a child process; past ``timeout_s`` the child is killed and the row holds the steps it
+    finished (the child rewrites its result after every step), its side naming how many."""
     launched = time.time()
     out = OUT / "vs_trl_trl.json"
     out.unlink(missing_ok=True)
+    side = "TRL {version} GRPOTrainer"
     with open(OUT / "vs_trl_trl.stderr.log", "w") as stderr:
-        subprocess.run([sys.executable, __file__, "--trl-child", str(steps), str(out), "--device", device,
-                        "--trl-micro-batch", str(micro_batch), *overrides], cwd=ROOT, check=True,
-                       stdout=subprocess.DEVNULL, stderr=stderr, timeout=1800)
+        try:
+            subprocess.run([sys.executable, __file__, "--trl-child", str(steps), str(out), "--device", device,
+                            "--trl-micro-batch", str(micro_batch), *overrides], cwd=ROOT, check=True,
+                           stdout=subprocess.DEVNULL, stderr=stderr, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            side += f" (stopped after {timeout_s:.0f} s: {{done}} of {steps} steps)"
     exited = time.time()
+    if not out.exists():
+        raise RuntimeError(f"TRL finished no step in {exited - launched:.0f} s; see {OUT / 'vs_trl_trl.stderr.log'}")
     result = json.loads(out.read_text())
-    return summary(f"TRL {result['version']} GRPOTrainer", launched, exited, result["step_ends"], result["rewards"],
-                   result["samples"], result["response_lens"])
+    return summary(side.format(version=result["version"], done=len(result["step_ends"])), launched, exited,
+                   result["step_ends"], result["rewards"], result["samples"], result["response_lens"])
 
 
 def trl_child(steps: int, out: Path, overrides: list[str], device: str, micro_batch: int) -> None:
@@ -101,7 +110,7 @@ def trl_child(steps: int, out: Path, overrides: list[str], device: str, micro_ba
     from datasets import Dataset
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     from rlfw.config import register_configs
     from rlfw.model.hf_convert import hf_config
@@ -113,7 +122,10 @@ def trl_child(steps: int, out: Path, overrides: list[str], device: str, micro_ba
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     task = instantiate(cfg.task)
-    tokenizer = task.tokenizer
+    # TRL takes a transformers tokenizer: the task's own, saved and read back as one (the same ids, tested in
+    # tests/rollout/test_tokenizer.py)
+    task.tokenizer.save_pretrained(out.parent / "vs_trl_tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(out.parent / "vs_trl_tokenizer")
     shape = model_shape(cfg, cfg.model.vocab_size or padded_vocab_size(len(tokenizer), 1))
     rollout, algo = cfg.rollout, cfg.algo
     prompts = [p for step in range(steps)
@@ -149,9 +161,17 @@ def trl_child(steps: int, out: Path, overrides: list[str], device: str, micro_ba
     )
     step_ends, rewards = [], []
 
+    def write() -> None:
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": trl.__version__, "step_ends": step_ends, "rewards": rewards,
+                                   "samples": samples, "response_lens": response_lens}))
+        tmp.replace(out)
+
     class Clock(TrainerCallback):
         def on_step_end(self, *_, **__):
             step_ends.append(time.time())
+            if len(step_ends) > 2:  # a row needs two step-to-step intervals
+                write()
 
         def on_log(self, _args, _state, _control, logs=None, **__):
             if logs and "reward" in logs:
@@ -160,8 +180,7 @@ def trl_child(steps: int, out: Path, overrides: list[str], device: str, micro_ba
     trainer = trl.GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[copy_reward], args=args,
                               train_dataset=dataset, callbacks=[Clock()])
     trainer.train()
-    out.write_text(json.dumps({"version": trl.__version__, "step_ends": step_ends, "rewards": rewards,
-                               "samples": samples, "response_lens": response_lens}))
+    write()
 
 
 def main() -> None:
@@ -169,6 +188,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--rlfw-only", action="store_true")
+    parser.add_argument("--trl-only", action="store_true")
+    parser.add_argument("--trl-timeout-s", type=float, default=1800.0,
+                        help="TRL's side is stopped past this, its row holding the steps it finished")
     parser.add_argument("--gpu", choices=sorted(SHAPES), help="the GPU RL table's job at this Qwen2 shape")
     parser.add_argument("--rlfw-rows", default="separate_sync,separate_async",
                         help="with --gpu: bench_gpu_rl.py's rows to run for rlfw")
@@ -190,12 +212,14 @@ def main() -> None:
         common, device, micro_batch = list(args.overrides), "cpu", 0
         rlfw_rows = [("rlfw (cells, default)", common)]
     rlfw_rows += [(f"rlfw {' '.join(extra)}", [*common, *extra]) for extra in args.rlfw_overrides]
+    if args.trl_only:
+        rlfw_rows = []
     rows = []
     for _ in range(args.repeats):
         rows += [rlfw_row(args.steps, overrides, side, f"vs_trl_rlfw_{i}")
                  for i, (side, overrides) in enumerate(rlfw_rows)]
         if not args.rlfw_only:
-            rows.append(trl_row(args.steps, common, device, args.trl_micro_batch or micro_batch))
+            rows.append(trl_row(args.steps, common, device, args.trl_micro_batch or micro_batch, args.trl_timeout_s))
     headers = list(rows[0])
     print(table(headers, [[r[h] for h in headers] for r in rows]))
     (OUT / "vs_trl.json").write_text(json.dumps(rows, indent=1))
