@@ -15,8 +15,14 @@ puts engines on GPUs of their own. A colocated SGLang server keeps its memory th
 takes its ``--mem-fraction-static`` share of the memory then free (beside the trainers' resident state) for its
 weights and cache, so that share must hold its weights, and the rest of the GPU the trainers' training phase.
 With the weights handed over in GPU memory (``weights_on_device``) the writer's GPU also holds a packed bf16 copy.
-Activations are not counted: the check refuses placements that cannot fit, it does not promise that one that passes
-will.
+A trainer rank's forward/backward adds its activations (``activation_bytes``: a micro-batch of
+``algo.max_tokens_per_microbatch`` tokens, after ``model.recompute``, and one chunk of the output head's fp32
+logits), and every process on a GPU its CUDA context and the allocator's slack (``PROCESS_BYTES``). Held against the
+GPU runs of BENCHMARKS.md (Qwen2-0.5B and 1.5B shapes, micro-batches of 4096 and 16384 tokens, no, MLP and full
+recompute) the estimate of a rank's peak is within 4 % of the measured one (``tests/config/test_gpu_memory.py``).
+What is not counted: a colocated SGLang server's use beyond its ``--mem-fraction-static`` share (its CUDA graphs and
+a forward's activations: about 10 GiB at 0.25 of an H100 beside two 0.5B cells, BENCHMARKS.md), so the check
+refuses placements that cannot fit; it does not promise that one that passes will.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from rlfw.model.shape import ModelShape
 GIB = 1 << 30
 TRAIN_BYTES_PER_PARAM = 18  # bf16 weight 2 + fp32 master 4 + fp32 main grad 4 + Adam moments 8
 RESIDENT_TRAIN_BYTES_PER_PARAM = 6  # colocated, while the engine generates: bf16 weight + fp32 master stay
+# A GPU process's CUDA context, kernels and the caching allocator's slack beyond the tensors it holds (the GPU rows
+# of BENCHMARKS.md: the card's peak less the processes' own peaks, 1.2-1.7 GiB a process)
+PROCESS_BYTES = 3 * GIB // 2
 FRACTION_FLAG = "--mem-fraction-static"  # SGLang's share of the GPU memory free at its start
 
 
@@ -44,8 +53,37 @@ def num_params(shape: ModelShape) -> int:
     return embedding * (1 if shape.tie_word_embeddings else 2) + shape.num_layers * layer + h
 
 
+def packed_bytes(shape: ModelShape) -> int:
+    """The writer's packed bf16 copy for the engines (``weights_on_device``): the engine's state dict, which holds
+    a tied output layer apart from the embedding."""
+    return 2 * (num_params(shape) + (shape.vocab_size * shape.hidden_size if shape.tie_word_embeddings else 0))
+
+
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2) -> int:
     return 2 * shape.num_layers * shape.num_query_groups * shape.head_dim * dtype_bytes
+
+
+def activation_bytes(cfg, shape: ModelShape) -> int:
+    """The most bytes one trainer rank's forward/backward holds beyond its weights, gradients and optimizer state.
+
+    Per token of a micro-batch each layer keeps ``8 h + 3 ffn`` activations for its backward (the norms' inputs and
+    outputs, q/k/v, the attention's output, the residuals; the MLP's fc1 output, gate and product): with
+    ``model.recompute=selective`` over ``mlp`` the MLP's three ffn-wide tensors go (one layer's are rebuilt at a
+    time), with ``full`` only each layer's input stays (and one layer's activations while it is recomputed). The
+    output head adds one chunk of fp32 logits (``algo.head_chunk_tokens`` x the vocabulary's tensor-parallel share).
+    Tensor parallelism splits the activations across its ranks (an approximation: the norms' are replicated)."""
+    tokens = cfg.algo.max_tokens_per_microbatch
+    h, ffn, layers = shape.hidden_size, shape.ffn_hidden_size, shape.num_layers
+    dtype_bytes = 2 if cfg.model.bf16 and cfg.cluster.device != "cpu" else 4
+    per_layer = 8 * h + 3 * ffn
+    if cfg.model.recompute == "full":
+        per_token = layers * h + per_layer
+    elif cfg.model.recompute == "selective" and "mlp" in cfg.model.recompute_modules:
+        per_token = layers * (per_layer - 3 * ffn) + 3 * ffn
+    else:
+        per_token = layers * per_layer
+    head = min(tokens, cfg.algo.head_chunk_tokens) * -(-shape.vocab_size // cfg.dp.tp) * 4
+    return tokens * per_token * dtype_bytes // cfg.dp.tp + head
 
 
 def local_gpus(cfg) -> int | None:
@@ -88,19 +126,26 @@ def samples_per_engine(cfg) -> int:
 
 @dataclass
 class GpuBudget:
-    """The bytes one GPU must hold in each phase of a step."""
+    """The bytes one GPU must hold in each phase of a step. Of ``train``: ``activations``, the trainer ranks'
+    (what a smaller micro-batch or recompute lowers), and ``server``, what a colocated SGLang server keeps."""
 
     train: int
     generate: int
+    activations: int = 0
+    server: int = 0
 
     @property
     def peak(self) -> int:
         return max(self.train, self.generate)
 
 
+def ranks_per_gpu(cfg) -> int:
+    return max(1, round(1 / cfg.cluster.gpus_per_worker))
+
+
 def trainer_params(cfg, shape: ModelShape) -> int:
     """Parameters the trainer ranks sharing one GPU hold (each its tensor-parallel share)."""
-    return max(1, round(1 / cfg.cluster.gpus_per_worker)) * (num_params(shape) // cfg.dp.tp)
+    return ranks_per_gpu(cfg) * (num_params(shape) // cfg.dp.tp)
 
 
 def sglang_share(cfg) -> float | None:
@@ -146,12 +191,14 @@ def gpu_budget(cfg, shape: ModelShape, samples_per_engine: int, gpu_bytes: int) 
     docstring)."""
     engine_weights = 2 * num_params(shape)
     max_batch = cfg.rollout.max_batch or samples_per_engine
-    kv_cache = kv_bytes_per_token(shape) * shape.max_seq_len * max_batch
-    trainers = trainer_params(cfg, shape)
-    packed = engine_weights if weights_on_device(cfg, "cuda") else 0  # the writer's copy for the engines
+    engine = engine_weights + kv_bytes_per_token(shape) * shape.max_seq_len * max_batch + PROCESS_BYTES
+    trainers, ranks = trainer_params(cfg, shape), ranks_per_gpu(cfg)
+    packed = packed_bytes(shape) if weights_on_device(cfg, "cuda") else 0  # the writer's copy for the engines
+    activations = ranks * activation_bytes(cfg, shape)
+    training = trainers * TRAIN_BYTES_PER_PARAM + activations + ranks * PROCESS_BYTES + packed
+    resident = trainers * RESIDENT_TRAIN_BYTES_PER_PARAM + ranks * PROCESS_BYTES + packed
     share = sglang_share(cfg)
     if share is not None:
-        resident = trainers * RESIDENT_TRAIN_BYTES_PER_PARAM
         server = int(share * (gpu_bytes - resident))  # SGLang's weights and cache: its share of what is free
         if server < engine_weights:
             raise ConfigError(
@@ -160,43 +207,47 @@ def gpu_budget(cfg, shape: ModelShape, samples_per_engine: int, gpu_bytes: int) 
                 f"{resident / GIB:.1f} GiB: less than its {engine_weights / GIB:.1f} GiB of bf16 weights; raise "
                 "--mem-fraction-static"
             )
-        return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM + server, generate=resident + server)
-    if cfg.cluster.placement == "colocated":
-        return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM + engine_weights + packed,
-                         generate=trainers * RESIDENT_TRAIN_BYTES_PER_PARAM + engine_weights + kv_cache + packed)
+        server += PROCESS_BYTES
+        return GpuBudget(train=training + server, generate=resident + server, activations=activations,
+                         server=server)
+    if cfg.cluster.placement == "colocated":  # the engine's cache is freed while the trainers train
+        return GpuBudget(train=training + engine_weights + PROCESS_BYTES, generate=resident + engine,
+                         activations=activations)
     if cfg.cluster.gpus_per_worker < 1 or cfg.rollout.gpus_per_engine < 1:  # Ray may put both on one GPU
-        both = trainers * TRAIN_BYTES_PER_PARAM + engine_weights + kv_cache + packed
-        return GpuBudget(train=both, generate=both)
-    return GpuBudget(train=trainers * TRAIN_BYTES_PER_PARAM + packed, generate=engine_weights + kv_cache)
+        return GpuBudget(train=training + engine, generate=training + engine, activations=activations)
+    return GpuBudget(train=training, generate=engine, activations=activations)
 
 
 def check_gpu_memory(cfg, shape: ModelShape, gpu_bytes: int, samples_per_engine: int) -> GpuBudget:
     """Raise ConfigError when a phase of the step cannot fit a GPU of ``gpu_bytes``, naming sizes and keys."""
     budget = gpu_budget(cfg, shape, samples_per_engine, gpu_bytes)
     params = num_params(shape)
+    ranks = ranks_per_gpu(cfg)
+    activations = (f"{budget.activations / GIB:.1f} GiB of it the activations of {ranks} rank(s) at "
+                   f"algo.max_tokens_per_microbatch={cfg.algo.max_tokens_per_microbatch}, model.recompute="
+                   f"{cfg.model.recompute}")
+    lower_activations = "lower algo.max_tokens_per_microbatch, set model.recompute=selective or full"
     share = sglang_share(cfg)
     if share is not None and budget.train > gpu_bytes:
-        training = trainer_params(cfg, shape) * TRAIN_BYTES_PER_PARAM
         raise ConfigError(
             f"a GPU of {gpu_bytes / GIB:.1f} GiB cannot hold this run's training phase beside its SGLang server, which "
-            f"keeps {(budget.train - training) / GIB:.1f} GiB (--mem-fraction-static={share:g} of what was free "
-            f"at its start) while the trainers need {training / GIB:.1f} GiB ({TRAIN_BYTES_PER_PARAM} "
-            f"bytes a parameter per rank, {max(1, round(1 / cfg.cluster.gpus_per_worker))} rank(s) a GPU) before "
-            "activations; lower --mem-fraction-static in rollout.sglang.extra_args, raise dp.tp, or use fewer ranks "
-            "a GPU (cluster.gpus_per_worker)"
+            f"keeps {budget.server / GIB:.1f} GiB (--mem-fraction-static={share:g} of what was free at its start, "
+            f"and its process) while the trainers need {(budget.train - budget.server) / GIB:.1f} GiB "
+            f"({TRAIN_BYTES_PER_PARAM} bytes a parameter per rank, {ranks} rank(s) a GPU; {activations}); lower "
+            f"--mem-fraction-static in rollout.sglang.extra_args, {lower_activations}, raise dp.tp, or use fewer "
+            "ranks a GPU (cluster.gpus_per_worker)"
         )
     if budget.peak > gpu_bytes:
         phase = "training" if budget.train >= budget.generate else "generation"
         raise ConfigError(
             f"a GPU of {gpu_bytes / GIB:.1f} GiB cannot hold this run's {phase} phase: it needs "
-            f"{budget.peak / GIB:.1f} GiB before activations (model of {params / 1e9:.2f} B parameters; training "
-            f"{budget.train / GIB:.1f} GiB: {TRAIN_BYTES_PER_PARAM} bytes a parameter per rank, "
-            f"{max(1, round(1 / cfg.cluster.gpus_per_worker))} rank(s) a GPU at cluster.gpus_per_worker="
-            f"{cfg.cluster.gpus_per_worker:g}, dp.tp={cfg.dp.tp}; generation {budget.generate / GIB:.1f} GiB: "
-            f"bf16 weights and a key-value cache of rollout.max_batch={cfg.rollout.max_batch or samples_per_engine} "
-            f"sequences x model.max_seq_len={shape.max_seq_len} tokens) under cluster.placement="
-            f"{cfg.cluster.placement}; raise dp.tp, give each rank a whole GPU (cluster.gpus_per_worker=1), lower "
-            "rollout.max_batch or model.max_seq_len"
+            f"{budget.peak / GIB:.1f} GiB (model of {params / 1e9:.2f} B parameters; training "
+            f"{budget.train / GIB:.1f} GiB: {TRAIN_BYTES_PER_PARAM} bytes a parameter per rank, {ranks} rank(s) a GPU "
+            f"at cluster.gpus_per_worker={cfg.cluster.gpus_per_worker:g}, dp.tp={cfg.dp.tp}, {activations}; "
+            f"generation {budget.generate / GIB:.1f} GiB: bf16 weights and a key-value cache of rollout.max_batch="
+            f"{cfg.rollout.max_batch or samples_per_engine} sequences x model.max_seq_len={shape.max_seq_len} "
+            f"tokens) under cluster.placement={cfg.cluster.placement}; {lower_activations}, raise dp.tp, give each "
+            "rank a whole GPU (cluster.gpus_per_worker=1), lower rollout.max_batch or model.max_seq_len"
             + (", or use cluster.placement=colocated" if cfg.cluster.placement == "separate" else "")
         )
     return budget

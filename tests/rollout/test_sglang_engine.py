@@ -291,28 +291,6 @@ def test_a_colocated_server_needs_a_bound_on_its_memory(fraction):
         validate(compose("cluster.placement=colocated", f"rollout.sglang.extra_args={extra}"))
 
 
-def test_a_colocated_servers_share_must_leave_the_trainers_their_training_phase():
-    from rlfw.config.devices import GIB, check_gpu_memory
-
-    qwen2_0p5b = ModelShape(num_layers=24, hidden_size=896, num_attention_heads=14, num_query_groups=2,
-                            ffn_hidden_size=4864, vocab_size=151936, max_seq_len=160, qkv_bias=True,
-                            tie_word_embeddings=True)
-    two_cells = ["dp.num_cells=2", "cluster.gpus_per_worker=0.5", "cluster.placement=colocated"]
-
-    def check(fraction: float):
-        cfg = compose(*two_cells, f"rollout.sglang.extra_args=['--mem-fraction-static={fraction}']")
-        return check_gpu_memory(cfg, qwen2_0p5b, 80 * GIB, samples_per_engine=512)
-
-    budget = check(0.5)  # the server takes half of the 74.5 GiB the cells' resident 5.5 GiB leave; they train beside
-    assert abs(budget.generate / GIB - (5.52 + 37.24)) < 0.01 and abs(budget.train / GIB - (16.56 + 37.24)) < 0.01
-    with pytest.raises(ConfigError, match=r"training phase beside its SGLang server, which keeps 67\.0 GiB .*"
-                                          r"need 16\.6 GiB.*lower --mem-fraction-static"):
-        check(0.9)
-    with pytest.raises(ConfigError, match=r"--mem-fraction-static=0\.01 gives the SGLang server 0\.7 GiB of the 74\.5"
-                                          r" GiB .* resident 5\.5 GiB: less than its 0\.9 GiB of bf16 weights"):
-        check(0.01)
-
-
 def test_tensor_push_is_not_implemented(tmp_path):
     with pytest.raises(NotImplementedError, match="weight_sync='distributed'"):
         SGLangEngine(sglang_cfg(weight_sync="distributed"), SHAPE, EOS, 0, 0, "127.0.0.1", tmp_path)
