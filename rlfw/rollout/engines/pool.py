@@ -124,8 +124,12 @@ class EnginePool:
         try:
             ref = hf_state if isinstance(hf_state, ray.ObjectRef) else ray.put(hf_state)
             # A copy on this node, not deserialized: a replacement engine may need these weights after the writer's
-            # node is gone, and Ray recovers a lost object from any copy left.
-            ray.wait([ref], fetch_local=True, timeout=self.call_timeout_s)
+            # node is gone, and Ray recovers a lost object from any copy left. Without it the engines still load
+            # them from the writer's copy (each call has its own deadline).
+            copied, _ = ray.wait([ref], fetch_local=True, timeout=self.call_timeout_s)
+            if not copied:
+                log.warning("weights v%d not copied to the rollout manager's node within %.0f s: a replacement engine "
+                            "will need the writer's copy", version, self.call_timeout_s)
             with self._lock:
                 self._weights = (ref, version)
                 engines = {index: self.engines[index] for index in self._serving()}
